@@ -1,0 +1,1 @@
+"""The MoE runner users call (in progress)."""
