@@ -109,10 +109,9 @@ def _exact_scales(format: FloatFormat, rng: np.random.Generator, shape) -> np.nd
     return format.decode(format.encode(rng.uniform(0.001, 2.0, shape).astype(np.float32)))
 
 
-@st.composite
-def quantized_for(draw, spec: QuantSpec, shape: tuple[int, ...]):
-    """Random logical data (codes, scales, zeros, g_idx, global scale) for `spec`."""
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+def random_quantized(spec: QuantSpec, shape: tuple[int, ...], rng: np.random.Generator) -> Quantized:
+    """Random logical data (codes, scales, zeros, g_idx, global scale) that `spec` stores
+    losslessly: scales exactly representable in its scale format."""
     k = shape[-1]
     groups = spec.groups(k)
     scale_shape = shape[:-1] + (groups,)
@@ -127,6 +126,12 @@ def quantized_for(draw, spec: QuantSpec, shape: tuple[int, ...]):
         # Powers of two keep a stored reciprocal exact.
         global_scale = (2.0 ** rng.integers(-4, 12, experts)).astype(np.float32)
     return Quantized(codes, _exact_scales(spec.scale_format, rng, scale_shape), zeros, g_idx, global_scale)
+
+
+@st.composite
+def quantized_for(draw, spec: QuantSpec, shape: tuple[int, ...]):
+    """Random logical data for `spec` (see `random_quantized`)."""
+    return random_quantized(spec, shape, np.random.default_rng(draw(st.integers(0, 2**32 - 1))))
 
 
 @st.composite

@@ -1,0 +1,103 @@
+"""Tensors in, kernels launched on torch's stream, tensors out: the one place that knows
+how a torch (or any DLPack) tensor becomes an array a Numba kernel can take.
+
+* On a CUDA machine a tensor becomes a Numba device array over the same memory
+  (`cuda.as_cuda_array`, zero copy) and kernels launch on `torch.cuda.current_stream()`
+  (wrapped with `cuda.external_stream`), never on the legacy default stream, so launches
+  order correctly with torch's work and are captured by `torch.cuda.graph`.
+* Under the CUDA simulator (no GPU) tensors live on the CPU and become numpy views
+  (`t.numpy()`, zero copy: a kernel's writes land in the tensor).
+
+16-bit floats (bfloat16, float16) always reach kernels as their int16 bit patterns; kernels
+decode them with `ptx.half_to_f32` and encode with `ptx.to_half` / `ptx.pack2`.
+
+Validation happens here, once, at the Python boundary (`check_tensor`), with errors that
+name the argument and what was expected.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from numba import cuda
+
+from .ptx import SIMULATED
+
+HALF_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+"""torch dtype -> the name the PTX helpers use for it."""
+
+_BIT_VIEWS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.bool: torch.uint8}
+
+
+def kernel_device() -> torch.device:
+    """Where kernel inputs and outputs live: the current CUDA device, or the CPU under
+    the simulator."""
+    if SIMULATED:
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def as_tensor(value, name: str) -> torch.Tensor:
+    """A torch view of `value` (a tensor, or any object with `__dlpack__`), no copy."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if hasattr(value, "__dlpack__"):
+        return torch.from_dlpack(value)
+    raise TypeError(f"{name} must be a torch tensor or support __dlpack__, got {type(value).__name__}")
+
+
+def to_kernel(tensor: torch.Tensor):
+    """The array a kernel takes for `tensor`: zero copy; half floats as int16 bits."""
+    view = tensor.view(_BIT_VIEWS[tensor.dtype]) if tensor.dtype in _BIT_VIEWS else tensor
+    if SIMULATED:
+        return view.numpy()
+    return cuda.as_cuda_array(view)
+
+
+def launch_stream():
+    """The Numba stream for torch's current stream (0, the only stream, in the simulator)."""
+    if SIMULATED:
+        return 0
+    return _external_stream(torch.cuda.current_stream().cuda_stream)
+
+
+@functools.lru_cache(maxsize=64)
+def _external_stream(handle: int):
+    return cuda.external_stream(handle)
+
+
+def _describe_dtypes(dtypes) -> str:
+    names = [str(d) for d in dtypes]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def check_tensor(name: str, value, *, dtype=None, shape=None, ndim=None, contiguous: bool = True) -> torch.Tensor:
+    """Return `value` as a torch tensor after checking it, or raise a clear error.
+
+    dtype: one torch dtype or a tuple of allowed ones.
+    shape: the exact shape, with None for any size along an axis.
+    ndim:  the number of axes (when the sizes are free).
+    """
+    tensor = as_tensor(value, name)
+    if dtype is not None:
+        allowed = dtype if isinstance(dtype, tuple) else (dtype,)
+        if tensor.dtype not in allowed:
+            raise TypeError(f"{name} must be a {_describe_dtypes(allowed)} tensor, got {tensor.dtype}")
+    expected_device = kernel_device()
+    if tensor.device != expected_device:
+        raise ValueError(f"{name} must be on {expected_device} (the kernels' device), got {tensor.device}")
+    if ndim is not None and tensor.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(tensor.shape)}")
+    if shape is not None:
+        if tensor.dim() != len(shape) or any(want is not None and want != got for want, got in zip(shape, tensor.shape)):
+            wanted = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+            raise ValueError(f"{name} must have shape {wanted}, got {tuple(tensor.shape)}")
+    if contiguous and not tensor.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous() first), got strides {tensor.stride()}")
+    return tensor
+
+
+def empty(shape, dtype) -> torch.Tensor:
+    """An uninitialised tensor on the kernels' device."""
+    return torch.empty(shape, dtype=dtype, device=kernel_device())

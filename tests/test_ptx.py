@@ -1,0 +1,123 @@
+"""The PTX helpers compute what their numpy definitions say: on the GPU this checks the
+real instructions, under the simulator the Python twins (so both agree with one spec)."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from numba import cuda, int32, uint32
+
+from numba_kernels import ptx
+from numba_kernels.ptx import round_to_half_bits
+
+HALVES = ["bfloat16", "float16"]
+
+
+def _halves(bits: np.ndarray, half: str) -> np.ndarray:
+    bits = np.asarray(bits, np.uint16)
+    if half == "bfloat16":
+        return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return bits.view(np.float16).astype(np.float64)
+
+
+def _random_half_bits(rng, shape, half, low=-4.0, high=4.0):
+    return round_to_half_bits(rng.uniform(low, high, shape), half)
+
+
+def _words(lo, hi) -> np.ndarray:
+    return (np.asarray(hi, np.uint32) << 16 | np.asarray(lo, np.uint32)).view(np.int32)
+
+
+@pytest.mark.parametrize("half", HALVES)
+def test_mma_is_a_times_b_plus_c_with_the_documented_fragments(half):
+    mma = ptx.mma(half)
+
+    @ptx.kernel
+    def run_mma(a_frag, b_frag, c_frag, d_frag):
+        lane = cuda.threadIdx.x
+        d0, d1, d2, d3 = mma(uint32(a_frag[lane, 0]), uint32(a_frag[lane, 1]), uint32(a_frag[lane, 2]),
+                             uint32(a_frag[lane, 3]), uint32(b_frag[lane, 0]), uint32(b_frag[lane, 1]),
+                             c_frag[lane, 0], c_frag[lane, 1], c_frag[lane, 2], c_frag[lane, 3])
+        d_frag[lane, 0], d_frag[lane, 1], d_frag[lane, 2], d_frag[lane, 3] = d0, d1, d2, d3
+
+    rng = np.random.default_rng(0)
+    a_bits, b_bits = _random_half_bits(rng, (16, 16), half), _random_half_bits(rng, (16, 8), half)
+    c = rng.standard_normal((16, 8)).astype(np.float32)
+    lane = np.arange(32)
+    g, t = lane // 4, lane % 4
+    a_frag = np.stack([_words(a_bits[g, 2 * t], a_bits[g, 2 * t + 1]), _words(a_bits[g + 8, 2 * t], a_bits[g + 8, 2 * t + 1]),
+                       _words(a_bits[g, 2 * t + 8], a_bits[g, 2 * t + 9]),
+                       _words(a_bits[g + 8, 2 * t + 8], a_bits[g + 8, 2 * t + 9])], axis=1)
+    b_frag = np.stack([_words(b_bits[2 * t, g], b_bits[2 * t + 1, g]), _words(b_bits[2 * t + 8, g], b_bits[2 * t + 9, g])], axis=1)
+    c_frag = np.stack([c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1]], axis=1)
+    d_frag = np.full((32, 4), np.nan, np.float32)
+    run_mma[1, 32](a_frag, b_frag, c_frag, d_frag)
+
+    expected = _halves(a_bits, half) @ _halves(b_bits, half) + c
+    got = np.zeros((16, 8))
+    got[g, 2 * t], got[g, 2 * t + 1], got[g + 8, 2 * t], got[g + 8, 2 * t + 1] = d_frag.T
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("half", HALVES)
+@settings(max_examples=5)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_packed_half_helpers_round_to_nearest_even(half, seed):
+    fma2, pack2, to_half, half_to_f32 = ptx.fma2(half), ptx.pack2(half), ptx.to_half(half), ptx.half_to_f32(half)
+
+    @ptx.kernel
+    def run(a, b, c, x, fma_out, pack_out, half_out, back_out):
+        i = cuda.threadIdx.x
+        fma_out[i] = int32(fma2(uint32(a[i]), uint32(b[i]), uint32(c[i])))
+        pack_out[i] = int32(pack2(x[i, 0], x[i, 1]))
+        half_out[i] = int32(to_half(x[i, 0]))
+        back_out[i] = half_to_f32(half_out[i])
+
+    rng = np.random.default_rng(seed)
+    a, b, c = (_words(_random_half_bits(rng, 64, half), _random_half_bits(rng, 64, half)) for _ in range(3))
+    x = rng.uniform(-100, 100, (64, 2)).astype(np.float32)
+    fma_out, pack_out, half_out = (np.zeros(64, np.int32) for _ in range(3))
+    back_out = np.zeros(64, np.float32)
+    run[1, 64](a, b, c, x, fma_out, pack_out, half_out, back_out)
+
+    def split(words):
+        words = np.asarray(words).view(np.uint32)
+        return _halves(words & 0xFFFF, half), _halves(words >> 16, half)
+
+    (a_lo, a_hi), (b_lo, b_hi), (c_lo, c_hi) = split(a), split(b), split(c)
+    expected_fma = _words(round_to_half_bits(a_lo * b_lo + c_lo, half), round_to_half_bits(a_hi * b_hi + c_hi, half))
+    np.testing.assert_array_equal(fma_out, expected_fma)
+    np.testing.assert_array_equal(pack_out, _words(round_to_half_bits(x[:, 0], half), round_to_half_bits(x[:, 1], half)))
+    np.testing.assert_array_equal(half_out, round_to_half_bits(x[:, 0], half).astype(np.int32))
+    np.testing.assert_array_equal(back_out, _halves(round_to_half_bits(x[:, 0], half), half))
+
+
+def test_bit_casts_and_sixteen_byte_loads_are_exact():
+    @ptx.kernel
+    def run(words, floats, loaded, as_bits, as_float):
+        i = cuda.threadIdx.x
+        w0, w1, w2, w3 = ptx.load_u32x4(words, i // 2, i % 2, 4)
+        loaded[i, 0], loaded[i, 1], loaded[i, 2], loaded[i, 3] = w0, w1, w2, w3
+        as_bits[i] = ptx.f32_bits(floats[i])
+        as_float[i] = ptx.bits_f32(ptx.f32_bits(floats[i]))
+
+    rng = np.random.default_rng(1)
+    words = rng.integers(-2**31, 2**31, (4, 2, 8), dtype=np.int64).astype(np.int32)
+    floats = rng.standard_normal(8).astype(np.float32)
+    loaded, as_bits = np.zeros((8, 4), np.int32), np.zeros(8, np.uint32)
+    as_float = np.zeros(8, np.float32)
+    run[1, 8](words, floats, loaded, as_bits, as_float)
+    np.testing.assert_array_equal(loaded, words.reshape(8, 8)[:, 4:])
+    np.testing.assert_array_equal(as_bits, floats.view(np.uint32))
+    np.testing.assert_array_equal(as_float, floats)
+
+
+def test_half_rounding_reference_ties_to_even():
+    # 1 + 2**-8 lies halfway between two bfloat16 neighbours: it rounds to the even one (1.0)
+    assert round_to_half_bits(1 + 2.0**-8, "bfloat16") == 0x3F80
+    assert round_to_half_bits(1 + 3 * 2.0**-8, "bfloat16") == 0x3F82
+    assert round_to_half_bits(1 + 2.0**-11, "float16") == np.float16(1.0).view(np.uint16)
+
+
+def test_unknown_half_type_is_rejected():
+    with pytest.raises(ValueError, match="half type"):
+        ptx.mma("float32")
