@@ -1,15 +1,23 @@
-"""Compile Numba CUDA kernels to PTX (sm_90) on a machine without a GPU.
+"""Compile Numba CUDA kernels for sm_90 on a machine without a GPU, and report resources.
 
 Why: CI and the developers' machines have no GPU, and the CUDA simulator runs kernels as
-Python, so it never type-checks them. Compiling to PTX catches Numba typing and lowering
-errors (and, with ptxas, register use and spills) before any device time is spent.
+plain Python, so it never type-checks them. Compiling for the real target catches Numba
+typing and lowering errors, and the PTX after link-time optimisation (what the GPU runs)
+plus ptxas's report show registers, spills, local memory, and whether the PTX helpers
+inlined, before any device time is spent.
 
-It reaches into numba-cuda in one place: device-function compilation asks the current
-device for its compute capability, so a stand-in device answers (9, 0). Needs NVVM
-(CUDA toolkit) and NVRTC (`pip install nvidia-cuda-nvrtc`); a dev tool, not a dependency.
+Needs libNVVM (the CUDA toolkit), NVRTC and nvJitLink:
+    pip install "nvidia-cuda-nvrtc==13.0.*" "nvidia-nvjitlink==13.0.*"
+It reaches into numba-cuda in one place: compilation asks the current device for its
+compute capability, so a stand-in context answers (9, 0). A dev tool, not a dependency.
 
-Use:  ptx = compile_for_sm90(kernel_dispatcher, *example_args)  # numpy example args
+    from tools.ptx_check import compile_kernel
+    result = compile_kernel(my_kernel, *example_args)      # numpy example arguments
+    print(result.report)                                   # ptxas -v
+    assert "ld.local" not in result.ptx
 """
+
+from __future__ import annotations
 
 import os
 import shutil
@@ -21,27 +29,38 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
     raise RuntimeError("ptx_check needs the real CUDA target: unset NUMBA_ENABLE_CUDASIM")
 
 import numba
+import numba.cuda.cudadrv.devices as _devices
 import numba.cuda.dispatcher as _dispatcher
-from numba import cuda
 
-_dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=(9, 0))
+_FAKE_CONTEXT = types.SimpleNamespace(device=types.SimpleNamespace(compute_capability=(9, 0), id=0))
+_devices.get_context = lambda devnum=None: _FAKE_CONTEXT
+_dispatcher.get_current_device = lambda: _FAKE_CONTEXT.device
+
+CC = (9, 0, "a")
 
 
-def compile_for_sm90(kernel, *example_args):
-    """PTX text of `kernel` (a `cuda.jit` dispatcher) typed for the given example arguments."""
+class Compiled(types.SimpleNamespace):
+    """ptx: the PTX after link-time optimisation; report: ptxas -v output."""
+
+
+def compile_kernel(kernel, *example_args, lto: bool = True) -> Compiled:
+    """Compile `kernel` (a `ptx.kernel` / `cuda.jit` dispatcher) for the argument types of
+    `example_args`; raise on typing or lowering errors."""
     argtypes = tuple(numba.typeof(a) for a in example_args)
-    ptx, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=(9, 0))
-    return ptx
+    compiled = _dispatcher._Kernel(kernel.py_func, argtypes, lto=lto)
+    library = compiled._codelibrary
+    ptx = library.get_lto_ptx(cc=CC) if lto else library.get_asm_str(cc=CC)
+    ptx = ptx.rstrip("\x00") + "\n"
+    return Compiled(ptx=ptx, report=ptxas_report(ptx))
 
 
 def ptxas_report(ptx: str) -> str:
-    """ptxas -v resource report (registers, spills, shared memory) for sm_90, if ptxas exists."""
+    """ptxas -v resource report (registers, spills, shared memory) for sm_90a."""
     ptxas = shutil.which("ptxas") or "/usr/local/cuda/bin/ptxas"
     if not os.path.exists(ptxas):
         return "ptxas not found"
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
-    out = subprocess.run([ptxas, "-arch=sm_90", "-v", f.name, "-o", os.devnull],
-                         capture_output=True, text=True)
+    out = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
     os.unlink(f.name)
     return out.stdout + out.stderr
