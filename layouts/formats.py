@@ -6,6 +6,7 @@ Read each one as a formula on the logical codes (N, K) (the last step applies la
     awq:                 qweight = BitPack(4, cols, awq order) ∘ Transpose   (K, N/8)
     compressed_tensors:  weight_packed = BitPack(b, cols)                    (N, ceil(K/(32/b)))
     marlin:              qweight = BitPack(b, cols) ∘ Permute(weight perm) ∘ Tile(16, 16) ∘ Transpose
+    native:              marlin ∘ Pad(16, 64): the kernels' layout (NVFP4 too)
     nvfp4:               weight_packed = BitPack(4, cols, bytes);  weight_scale = [Swizzle128x4]
     trtllm_fp4_moe:      rows: Permute(32-row shuffle) ∘ [InterleaveHalves]; scales then Swizzle128x4
     native:              the kernel's own layout (numba_kernels reads it with 16-byte loads)
@@ -101,25 +102,59 @@ MARLIN_SCALE_PERM_SINGLE = tuple(2 * i + j for i in range(4) for j in (0, 1, 8, 
 
 
 def marlin(bits: int = 4, group_size: int | None = 128, *, zero_points: bool = False,
-           act_order: bool = False) -> QuantSpec:
+           act_order: bool = False, scale_dtype: str = "float16") -> QuantSpec:
     """Marlin (vLLM gptq_marlin / awq_marlin, dense and MoE): 16x16 tiles of the (K, N)
     codes, each 1024-code chunk permuted, packed along N; scales permuted by 64-column
     chunks (32 when channel-wise: pass group_size=None); AWQ-style zero points
     (`zero_points=True`, raw uint4 codes) permuted like scales and interleaved like AWQ;
-    act-order stores K sorted by group with `g_idx_sort_indices`."""
+    act-order stores K sorted by group with `g_idx_sort_indices`. Scales are stored in the
+    activations' half type (`scale_dtype`: float16 or bfloat16)."""
     _check_bits(bits)
     if zero_points and act_order:
         raise ValueError("Marlin has no act-order variant with zero points")
+    return _marlin_tiles(f"marlin_int{bits}", _int_code(bits, symmetric=not zero_points), bits, group_size,
+                         zero_points=zero_points, act_order=act_order, scale_format=FloatFormat(scale_dtype))
+
+
+def _marlin_tiles(name: str, code, bits: int, group_size: int | None, *, zero_points: bool = False,
+                  act_order: bool = False, scale_format: FloatFormat, pad: tuple[int, int] | None = None,
+                  global_scale_name: str | None = None) -> QuantSpec:
+    """Marlin's tensor-core tile layout, optionally zero padded along (K, N) first."""
+    padding = () if pad is None else (Pad(*pad),)
+    scale_padding = () if pad is None else (Pad(1, pad[1]),)
     scale_perm = MARLIN_SCALE_PERM if group_size is not None else MARLIN_SCALE_PERM_SINGLE
     zeros = None
     if zero_points:
-        zeros = Tensor("qzeros", Layout((Transpose(), Permute(MARLIN_SCALE_PERM), BitPack(bits, axis=-1, order=AWQ_ORDER[bits]))))
+        zeros = Tensor("qzeros", Layout((Transpose(),) + scale_padding + (
+            Permute(MARLIN_SCALE_PERM), BitPack(bits, axis=-1, order=AWQ_ORDER[bits]))))
     return QuantSpec(
-        name=f"marlin_int{bits}", code=_int_code(bits, symmetric=not zero_points),
-        weight=Tensor("qweight", Layout((Transpose(), Tile(16, 16), Permute(marlin_weight_perm(bits)), BitPack(bits, axis=-1)))),
-        scales=Tensor("scales", Layout((Transpose(), Permute(scale_perm)))), group_size=group_size,
-        zeros=zeros, g_idx_name="g_idx" if act_order else None, sort_k_by_group=act_order,
+        name=name, code=code,
+        weight=Tensor("qweight", Layout((Transpose(),) + padding + (
+            Tile(16, 16), Permute(marlin_weight_perm(bits)), BitPack(bits, axis=-1)))),
+        scales=Tensor("scales", Layout((Transpose(),) + scale_padding + (Permute(scale_perm),))),
+        scale_format=scale_format, group_size=group_size, zeros=zeros,
+        g_idx_name="g_idx" if act_order else None, sort_k_by_group=act_order,
+        global_scale_name=global_scale_name,
     )
+
+
+def native(bits: int = 4, group_size: int | None = 128, *, zero_points: bool = False, act_order: bool = False,
+           half: str = "bfloat16", fp4: bool = False) -> QuantSpec:
+    """The kernels' own layout, which weight processing converts every checkpoint into once:
+    Marlin's tile layout (a lane's tensor-core B fragments for a 16 x 64 slab of (K, N) sit
+    in 16 contiguous bytes), zero padded so any shape fits (K to 16, N to 64), scales in
+    the activations' `half` type. The same layout serves decode and prefill.
+
+    `fp4=True` is NVFP4 in the same tiles: e2m1 nibbles, e4m3 scales per 16 input features
+    (permuted like Marlin's), and a per-expert global-scale divisor."""
+    if fp4:
+        return _marlin_tiles("native_nvfp4", E2M1(), 4, 16, scale_format=FloatFormat("float8_e4m3"),
+                             pad=(16, 64), global_scale_name="weight_global_scale")
+    _check_bits(bits)
+    if zero_points and act_order:
+        raise ValueError("the native layout has no act-order variant with zero points")
+    return _marlin_tiles(f"native_int{bits}", _int_code(bits, symmetric=not zero_points), bits, group_size,
+                         zero_points=zero_points, act_order=act_order, scale_format=FloatFormat(half), pad=(16, 64))
 
 
 def nvfp4(*, checkpoint: str = "compressed_tensors", swizzled: bool = False) -> QuantSpec:
