@@ -341,8 +341,8 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
     expert_ids = interop.check_tensor("expert_ids", expert_ids, dtype=torch.int32, ndim=1)
     num_tokens_post_padded = interop.check_tensor("num_tokens_post_padded", num_tokens_post_padded,
                                                   dtype=torch.int32, shape=(1,))
-    if sorted_token_ids.shape[0] > expert_ids.shape[0] * tile.block_m:
-        raise ValueError(f"expert_ids ({expert_ids.shape[0]} blocks) do not cover sorted_token_ids "
+    if expert_ids.shape[0] != -(-sorted_token_ids.shape[0] // tile.block_m):
+        raise ValueError(f"expert_ids ({expert_ids.shape[0]} blocks) must split sorted_token_ids "
                          f"({sorted_token_ids.shape[0]}) in blocks of {tile.block_m}: align with block_size = block_m")
     partial_output = tile.split_k > 1 if partial_output is None else partial_output
     if tile.split_k > 1 and not partial_output:

@@ -62,6 +62,13 @@ def launch_stream():
     return _external_stream(torch.cuda.current_stream().cuda_stream)
 
 
+def launch_stream_handle() -> int:
+    """torch's current CUDA stream as a raw handle, for `launch.Launcher` (0 when simulated)."""
+    if SIMULATED:
+        return 0
+    return torch.cuda.current_stream().cuda_stream
+
+
 @functools.lru_cache(maxsize=64)
 def _external_stream(handle: int):
     return cuda.external_stream(handle)

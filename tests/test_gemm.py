@@ -1,0 +1,190 @@
+"""The grouped dequant-GEMM equals `act @ dequantize(W[e]).T` per aligned token block, for
+weights in any spec (the fast Marlin-tile path and the index-map path), every tile shape,
+and the cases the engines got wrong."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from layouts import formats
+from layouts.strategies import random_quantized, spec_for
+from numba_kernels import interop
+from numba_kernels.fragments import fast_path_supported
+from numba_kernels.gemm import GemmTile, grouped_gemm, reference_grouped_gemm
+from numba_kernels.weights import KernelWeights
+
+DECODE = GemmTile(block_m=16, warps_k=2, slabs_per_warp=2)
+PREFILL = GemmTile(block_m=32, warps_m=2, warps_n=1, warps_k=1, slabs_per_warp=2, a_in_shared=True)
+SPLIT = GemmTile(block_m=16, warps_k=1, slabs_per_warp=1, split_k=2)
+
+
+def reference_alignment(topk_ids: np.ndarray, block_m: int, num_experts: int, expert_map=None):
+    """moe_align_block_size semantics in numpy (slots ascending within each expert)."""
+    flat = topk_ids.reshape(-1)
+    sorted_ids, expert_ids = [], []
+    for expert in range(num_experts):
+        slots = np.flatnonzero(flat == expert)
+        if slots.size:
+            padded = -(-slots.size // block_m) * block_m
+            sorted_ids += list(slots) + [flat.size] * (padded - slots.size)
+            local = expert if expert_map is None else expert_map[expert]
+            expert_ids += [local] * (padded // block_m)
+    return (np.array(sorted_ids, np.int32), np.array(expert_ids, np.int32),
+            np.array([len(sorted_ids)], np.int32))
+
+
+def run_case(spec, shape, *, tokens, top_k, tile, half=torch.bfloat16, routed_weights=True, seed=0,
+             topk_ids=None, expert_map=None, per_slot=False):
+    """(kernel output, float64 reference) for random weights, activations and routing."""
+    rng = np.random.default_rng(seed)
+    experts = shape[0]
+    q = random_quantized(spec, shape, rng)
+    physical = spec.pack(q)
+    weights = KernelWeights.from_physical(spec, physical, shape)
+    dense = spec.dequantize(physical, shape)
+    if topk_ids is None:
+        topk_ids = np.stack([rng.permutation(experts)[:top_k] for _ in range(tokens)]).astype(np.int32)
+    topk_weights = rng.uniform(0.1, 1.0, topk_ids.shape).astype(np.float32)
+    sorted_ids, expert_ids, padded = reference_alignment(topk_ids, tile.block_m, experts, expert_map)
+    num_slots = topk_ids.size
+    act = torch.randn(num_slots if per_slot else tokens, shape[-1]).to(half)
+    device = interop.kernel_device()
+    out = grouped_gemm(act.to(device), weights, *(torch.from_numpy(a).to(device) for a in (sorted_ids, expert_ids, padded)),
+                       num_slots=num_slots, tile=tile,
+                       topk_weights=torch.from_numpy(topk_weights).to(device) if routed_weights else None)
+    got = out.float().cpu().numpy()
+    if got.ndim == 3:
+        got = got.sum(axis=0)
+    expected = reference_grouped_gemm(act.float().numpy(), dense, sorted_ids, expert_ids, padded[0], tile.block_m,
+                                      num_slots, topk_weights if routed_weights else None)
+    return got, expected
+
+
+def assert_close(got, expected, tolerance=1e-2):
+    assert not np.isnan(got).any(), "an output element was not written"
+    error = np.linalg.norm(got - expected) / max(np.linalg.norm(expected), 1e-30)
+    assert error < tolerance, f"relative error {error:.3g}"
+
+
+GEMM_SPECS = [formats.native(4, 32), formats.native(4, 64, zero_points=True), formats.native(8, None),
+              formats.native(fp4=True), formats.gptq(4, 32, symmetric=False), formats.awq(4, 32),
+              formats.compressed_tensors(8, 32), formats.marlin(4, 32, act_order=True)]
+
+
+@settings(max_examples=8, deadline=None)
+@given(data=st.data())
+def test_grouped_gemm_matches_reference_for_any_spec_and_tile(data):
+    experts = data.draw(st.integers(1, 3), label="experts")
+    n = data.draw(st.sampled_from([16, 64, 80]), label="n")
+    k = data.draw(st.sampled_from([32, 48, 64]), label="k")
+    spec = data.draw(st.sampled_from(GEMM_SPECS) | spec_for((experts, n, k)), label="spec")
+    try:
+        spec.check_shape((experts, n, k))
+    except ValueError:
+        return
+    tile = data.draw(st.sampled_from([DECODE, PREFILL, SPLIT]), label="tile")
+    top_k = data.draw(st.integers(1, experts), label="top_k")
+    tokens = data.draw(st.integers(1, 3), label="tokens")
+    half = data.draw(st.sampled_from([torch.bfloat16, torch.float16]), label="half")
+    got, expected = run_case(spec, (experts, n, k), tokens=tokens, top_k=top_k, tile=tile, half=half,
+                             routed_weights=data.draw(st.booleans()), seed=data.draw(st.integers(0, 2**16)),
+                             per_slot=data.draw(st.booleans(), label="per_slot"))
+    assert_close(got, expected)
+
+
+@pytest.mark.parametrize("group_size, zero_points, half", [
+    (32, False, torch.bfloat16), (64, True, torch.bfloat16), (128, False, torch.float16), (None, True, torch.float16),
+    (32, True, torch.float16), (128, True, torch.bfloat16), (None, False, torch.bfloat16), (64, False, torch.float16),
+])
+def test_native_int4_at_every_group_size_with_and_without_zero_points(group_size, zero_points, half):
+    spec = formats.native(4, group_size, zero_points=zero_points)
+    assert fast_path_supported(spec, interop.HALF_NAMES[half])
+    assert_close(*run_case(spec, (2, 64, 256), tokens=2, top_k=2, tile=DECODE, half=half))
+
+
+def test_k_not_a_multiple_of_the_group_size():
+    # intermediate 704 with group 128: the last group holds 64 input features
+    assert_close(*run_case(formats.native(4, 128), (1, 64, 704), tokens=1, top_k=1, tile=DECODE))
+
+
+def test_n_not_a_multiple_of_the_tile_after_a_tensor_parallel_split():
+    assert_close(*run_case(formats.native(4, 32), (2, 160, 64), tokens=2, top_k=1, tile=DECODE))
+    assert_close(*run_case(formats.gptq(4, 32), (2, 160, 64), tokens=2, top_k=1, tile=PREFILL))
+
+
+def test_int8_codes_in_bfloat16_take_the_float32_path():
+    assert_close(*run_case(formats.native(8, 64), (2, 64, 128), tokens=2, top_k=2, tile=DECODE))
+
+
+def test_act_order_through_index_maps_and_sorted_marlin():
+    for spec in (formats.gptq(4, 32, act_order=True), formats.marlin(4, 32, act_order=True)):
+        assert_close(*run_case(spec, (2, 64, 128), tokens=2, top_k=2, tile=DECODE))
+
+
+def test_a_single_token_routed_to_a_single_expert():
+    assert_close(*run_case(formats.native(4, 32), (4, 64, 64), tokens=1, top_k=1, tile=DECODE))
+
+
+def test_all_tokens_routed_to_one_expert_and_experts_without_tokens():
+    topk_ids = np.full((5, 1), 2, np.int32)
+    assert_close(*run_case(formats.native(4, 32), (4, 64, 64), tokens=5, top_k=1, tile=DECODE, topk_ids=topk_ids))
+
+
+def test_top_k_equal_to_the_number_of_experts_with_split_k_partials():
+    assert_close(*run_case(formats.native(fp4=True), (3, 64, 64), tokens=2, top_k=3, tile=SPLIT))
+
+
+def test_blocks_of_experts_on_another_rank_produce_zeros():
+    expert_map = np.array([0, -1, 1], np.int32)
+    got, expected = run_case(formats.native(4, 32), (3, 64, 64), tokens=3, top_k=2, tile=DECODE,
+                             expert_map=expert_map)
+    # the reference writes zeros for the -1 blocks; every slot of expert 1 is among them
+    assert_close(got, expected)
+
+
+def _small_problem(half=torch.bfloat16):
+    spec = formats.native(4, 32)
+    shape = (2, 64, 64)
+    q = random_quantized(spec, shape, np.random.default_rng(0))
+    weights = KernelWeights.from_physical(spec, spec.pack(q), shape)
+    device = interop.kernel_device()
+    sorted_ids, expert_ids, padded = reference_alignment(np.array([[0], [1]], np.int32), 16, 2)
+    alignment = tuple(torch.from_numpy(a).to(device) for a in (sorted_ids, expert_ids, padded))
+    return torch.zeros(2, 64, dtype=half, device=device), weights, alignment
+
+
+@pytest.mark.parametrize("change, error, message", [
+    (lambda a: dict(a, act=a["act"].float()), TypeError, "act must be a torch.bfloat16 or torch.float16"),
+    (lambda a: dict(a, act=a["act"][:, :32].contiguous()), ValueError, "K = 64"),
+    (lambda a: dict(a, act=a["act"][:, ::2]), ValueError, "contiguous"),
+    (lambda a: dict(a, num_slots=3), ValueError, "num_slots"),
+    (lambda a: dict(a, tile=GemmTile(block_m=32)), ValueError, "block_size = block_m"),
+    (lambda a: dict(a, topk_weights=torch.ones(3)), ValueError, "topk_weights"),
+    (lambda a: dict(a, out=torch.empty(2, 63, dtype=torch.bfloat16)), ValueError, "out must have shape"),
+])
+def test_bad_arguments_are_rejected_before_launch(change, error, message):
+    act, weights, alignment = _small_problem()
+    arguments = change(dict(act=act, num_slots=2, tile=DECODE, topk_weights=None, out=None))
+    with pytest.raises(error, match=message):
+        grouped_gemm(arguments["act"], weights, *alignment, num_slots=arguments["num_slots"], tile=arguments["tile"],
+                     topk_weights=arguments["topk_weights"], out=arguments["out"])
+
+
+def test_tile_parameters_are_validated():
+    with pytest.raises(ValueError, match="power of two"):
+        GemmTile(warps_k=3)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        GemmTile(block_m=16, warps_m=2)
+    with pytest.raises(ValueError, match="1024"):
+        GemmTile(warps_m=4, warps_n=4, warps_k=4, block_m=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, shape, top_k, tokens", [
+    ("qwen3_gemm1", (16, 1536, 2048), 8, 16), ("qwen3_gemm2", (16, 2048, 768), 8, 64),
+])
+@pytest.mark.parametrize("tile", [GemmTile(block_m=16, warps_k=4, slabs_per_warp=4),
+                                  GemmTile(block_m=64, warps_m=2, warps_n=2, warps_k=1, a_in_shared=True)])
+def test_realistic_shapes_on_the_gpu(name, shape, top_k, tokens, tile):
+    assert_close(*run_case(formats.native(4, 128), shape, tokens=tokens, top_k=top_k, tile=tile))
