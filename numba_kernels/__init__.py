@@ -4,5 +4,23 @@ Every kernel family lives in its own module with a factory (cached per spec and 
 configuration), a Python wrapper that validates torch tensors once and launches on
 torch's current stream, and a numpy reference the tests compare against. `ptx` holds
 the few PTX instructions Numba lacks (each with a simulator twin); `interop` turns
-tensors into kernel arrays.
+tensors into kernel arrays; `launch` is the lean launch path.
+
+On a machine without a CUDA GPU, importing this package selects numba's CUDA simulator
+(unless NUMBA_ENABLE_CUDASIM is set either way), so every kernel still runs, slowly.
 """
+
+import os
+import sys
+
+
+def _select_simulator_without_gpu() -> None:
+    if "NUMBA_ENABLE_CUDASIM" in os.environ or "numba" in sys.modules:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+
+
+_select_simulator_without_gpu()

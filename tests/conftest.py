@@ -1,28 +1,15 @@
-"""Test session set-up: pick the CUDA simulator when there is no GPU.
+"""Test session set-up: the CUDA simulator when there is no GPU, Hypothesis profiles.
 
-This must run before anything imports numba, so it lives at the top of conftest. On a
-machine with a CUDA GPU the real device is used; everywhere else (CI) kernels run in
-numba's CUDA simulator, and tests marked ``gpu`` are skipped.
+Importing `numba_kernels` first selects numba's CUDA simulator on a machine without a
+CUDA GPU (it must happen before numba is imported). On a GPU machine the real device is
+used; everywhere else (CI) kernels run in the simulator and tests marked `gpu` are skipped.
 """
 
-import os
+import numba_kernels  # noqa: F401  (selects the simulator before numba loads)
+import pytest
+from hypothesis import HealthCheck, settings
 
-
-def _has_cuda_gpu() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
-if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1" and not _has_cuda_gpu():
-    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
-
-import pytest  # noqa: E402
-from hypothesis import HealthCheck, settings  # noqa: E402
-
-SIMULATED = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+from numba_kernels.ptx import SIMULATED
 
 # The simulator runs ~5,000 threads a second: kernel properties get few examples there.
 settings.register_profile(

@@ -3,7 +3,7 @@ reference `spec.dequantize` (in stored K order)."""
 
 import numpy as np
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
 from numba import cuda
 
 from layouts import formats
