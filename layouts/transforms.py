@@ -180,19 +180,16 @@ class InterleaveHalves:
     def index_fn(self, shape: Shape):
         self.out_shape(shape)
         half = shape[self.axis] // 2
-
-        def interleave(x):
-            upper = x // half  # 0 for the first half, 1 for the second
-            return 2 * (x - upper * half) + upper
-
+        # x // half is 0 in the first half and 1 in the second (written inline so the
+        # same function compiles as a Numba device function).
         if self.axis == -1:
             def interleave_cols(i, j):
-                return i, interleave(j)
+                return i, 2 * (j - (j // half) * half) + j // half
 
             return interleave_cols
 
         def interleave_rows(i, j):
-            return interleave(i), j
+            return 2 * (i - (i // half) * half) + i // half, j
 
         return interleave_rows
 
@@ -252,20 +249,16 @@ class PadHalves:
 
     def index_fn(self, shape: Shape):
         self.out_shape(shape)
-        half, padded_half = shape[self.axis] // 2, self._padded_half(shape[self.axis])
-
-        def place(x):
-            upper = x // half
-            return x + upper * (padded_half - half)
-
+        half, gap = shape[self.axis] // 2, self._padded_half(shape[self.axis]) - shape[self.axis] // 2
+        # The second half moves up by the first half's padding (inline, as above).
         if self.axis == -1:
             def pad_cols(i, j):
-                return i, place(j)
+                return i, j + (j // half) * gap
 
             return pad_cols
 
         def pad_rows(i, j):
-            return place(i), j
+            return i + (i // half) * gap, j
 
         return pad_rows
 

@@ -22,12 +22,12 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from numba import float32, int32, uint32
+from numba import float32, int16, int32, uint8, uint32
 
 from layouts import E2M1, QuantSpec
 from layouts.encodings import E2M1_VALUES, E4M3_VALUES, FloatFormat
 
-from .ptx import device, half_to_f32
+from .ptx import device, f32_bits, half_to_f32, to_half
 
 
 def scale_decoder(scale_format: FloatFormat):
@@ -48,6 +48,63 @@ def scale_decoder(scale_format: FloatFormat):
         return float32(x)
 
     return decode_float32
+
+
+@device
+def encode_e4m3(x):
+    """float32 -> float8_e4m3fn byte (uint32), as `layouts.encodings.e4m3_encode`: round to
+    nearest even, saturate at ±448 (infinities too), NaN -> 0x7F, the sign kept (-0 -> 0x80).
+
+    Integer rounding on the float32 bits: keep the e4m3 bits of the significand, round up
+    when the dropped bits exceed half a step (or equal it with an odd kept part). Normals
+    (>= 2^-6) keep 3 mantissa bits and re-bias the exponent; subnormals are k * 2^-9, k from
+    the significand shifted by 14 - exponent. A carry rolls into the exponent by itself."""
+    bits = f32_bits(x)
+    sign = int32((bits >> uint32(24)) & uint32(0x80))
+    magnitude = int32(bits & uint32(0x7FFFFFFF))
+    if magnitude > 0x7F800000:
+        return uint32(0x7F)
+    if magnitude >= 0x43E00000:  # 448.0
+        return uint32(sign | 0x7E)
+    exponent = magnitude >> 23
+    if exponent >= 121:  # 2^-6 and up, normal: exponent and 3 mantissa bits, re-biased 127 -> 7
+        shift, source, rebias = int32(20), magnitude, int32(120 << 3)
+    elif exponent >= 117:  # 2^-10 up to 2^-6: a subnormal k * 2^-9 (k = 0 .. 8 after rounding)
+        shift, source, rebias = int32(141 - exponent), int32((magnitude & 0x7FFFFF) | 0x800000), int32(0)
+    else:  # below 2^-10: rounds to zero
+        return uint32(sign)
+    kept = (source >> shift) - rebias
+    dropped = source & ((int32(1) << shift) - 1)
+    half_step = int32(1) << (shift - 1)
+    if dropped > half_step or (dropped == half_step and (kept & 1) == 1):
+        kept += 1
+    return uint32(sign | kept)
+
+
+def scale_encoder(scale_format: FloatFormat):
+    """Device function: float32 -> one stored scale element (the inverse of
+    `scale_decoder`, rounding to nearest even as `FloatFormat.encode` does). Half formats
+    give their bits as int16, float8_e4m3 a uint8 byte, float32 the value."""
+    if scale_format.name in ("bfloat16", "float16"):
+        round_to_half = to_half(scale_format.name)
+
+        @device
+        def encode_half(x):
+            return int16(round_to_half(x))
+
+        return encode_half
+    if scale_format.name == "float8_e4m3":
+        @device
+        def encode_fp8(x):
+            return uint8(encode_e4m3(x))
+
+        return encode_fp8
+
+    @device
+    def encode_float32(x):
+        return float32(x)
+
+    return encode_float32
 
 
 @device
