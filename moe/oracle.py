@@ -1,0 +1,159 @@
+"""Backend selection as an oracle: one function picks the kernel variant and tiles for a
+call shape, another builds the kernels. Nothing else in the runner makes these choices.
+
+`select_backend(config, num_tokens, spec)` looks the shape up in the tuned configurations
+of this device (`moe/tuned/<device>.json`, written by `python -m moe.tune`) and falls
+back to a heuristic:
+
+* decode (few tokens per expert): one 16-row block per expert, A fragments straight from
+  global memory, 4 warps splitting K, 4 slabs in flight each, and a K split across CTAs
+  large enough that the grid fills every multiprocessor twice;
+* prefill: blocks of 64 or 128 slots, activations staged in shared memory and reused by
+  2 x 2 warps, no K split.
+
+The batched variant (tokens laid out expert by expert, as expert parallelism ships them)
+uses the same tiles with its block size chosen from the expected tokens per expert.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import attrs
+import torch
+
+from layouts import QuantSpec
+from numba_kernels import interop
+from numba_kernels.fragments import CHUNK_N, SLAB_K, fast_path_supported
+from numba_kernels.gemm import GemmTile, make_grouped_gemm
+
+from .config import MoEConfig
+
+TUNED_DIR = Path(__file__).parent / "tuned"
+DECODE_TOKENS_PER_EXPERT = 16
+
+
+@attrs.frozen
+class Backend:
+    """The oracle's choice for one call shape: the alignment block size and the tiles of
+    the two grouped GEMMs (gemm1: hidden -> gate/up, gemm2: intermediate -> hidden)."""
+
+    block_m: int
+    gemm1: GemmTile
+    gemm2: GemmTile
+
+    def __attrs_post_init__(self):
+        if self.gemm1.block_m != self.block_m or self.gemm2.block_m != self.block_m:
+            raise ValueError("both GEMM tiles must use the alignment block size")
+
+    def split_k(self) -> int:
+        return max(self.gemm1.split_k, self.gemm2.split_k)
+
+
+def multiprocessors() -> int:
+    """Streaming multiprocessors of the current device (an H100/H200's 132 when simulated)."""
+    if not torch.cuda.is_available() or interop.kernel_device().type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+
+
+def device_name() -> str:
+    if interop.kernel_device().type != "cuda":
+        return "simulator"
+    return torch.cuda.get_device_name().replace(" ", "_")
+
+
+def expected_blocks(config: MoEConfig, num_tokens: int, block_m: int) -> int:
+    """Token blocks a call is likely to have: one per touched expert, more when experts
+    receive more than block_m slots."""
+    slots = num_tokens * config.top_k
+    touched = min(slots, config.num_local_experts)
+    return max(touched, -(-slots // block_m))
+
+
+def _decode_tile(config: MoEConfig, num_tokens: int, n: int, k: int) -> GemmTile:
+    warps_k, depth = 4, 4
+    ctas = expected_blocks(config, num_tokens, 16) * -(-n // CHUNK_N)
+    slabs = -(-k // SLAB_K)
+    split_k = 1
+    while ctas * split_k < 2 * multiprocessors() and slabs // (2 * split_k) >= warps_k * depth:
+        split_k *= 2
+    return GemmTile(block_m=16, warps_m=1, warps_n=1, warps_k=warps_k, slabs_per_warp=depth, split_k=split_k)
+
+
+def _prefill_tile(block_m: int) -> GemmTile:
+    return GemmTile(block_m=block_m, warps_m=2, warps_n=2, warps_k=1, slabs_per_warp=2, a_in_shared=True)
+
+
+def heuristic_backend(config: MoEConfig, num_tokens: int) -> Backend:
+    per_expert = num_tokens * config.top_k / config.num_local_experts
+    h, n1 = config.hidden_size, config.gate_up_size
+    if per_expert <= DECODE_TOKENS_PER_EXPERT:
+        return Backend(16, _decode_tile(config, num_tokens, n1, h),
+                       _decode_tile(config, num_tokens, h, config.intermediate_size))
+    block_m = 64 if per_expert <= 256 else 128
+    return Backend(block_m, _prefill_tile(block_m), _prefill_tile(block_m))
+
+
+def shape_key(config: MoEConfig, spec: QuantSpec) -> str:
+    return (f"E={config.num_local_experts},top_k={config.top_k},H={config.hidden_size},"
+            f"I={config.intermediate_size},spec={spec.name},group={spec.group_size}")
+
+
+@functools.cache
+def tuned_table(device: str) -> dict:
+    """{shape key: {num_tokens: backend dict}} measured on `device`, or empty."""
+    path = TUNED_DIR / f"{device}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def backend_from_dict(value: dict) -> Backend:
+    return Backend(value["block_m"], GemmTile(**value["gemm1"]), GemmTile(**value["gemm2"]))
+
+
+def backend_to_dict(backend: Backend) -> dict:
+    return attrs.asdict(backend)
+
+
+def select_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec) -> Backend:
+    """The backend for `num_tokens` tokens through weights stored as `spec`: the tuned
+    entry for the largest measured token count not above `num_tokens`, else the heuristic."""
+    if num_tokens < 1:
+        raise ValueError(f"num_tokens must be positive, got {num_tokens}")
+    entries = tuned_table(device_name()).get(shape_key(config, spec), {})
+    measured = [int(m) for m in entries if int(m) <= num_tokens]
+    if measured:
+        return backend_from_dict(entries[str(max(measured))])
+    return heuristic_backend(config, num_tokens)
+
+
+def token_buckets(max_tokens: int) -> list[int]:
+    """Token counts whose backends a workspace must fit: powers of two up to max_tokens,
+    and max_tokens itself."""
+    buckets, m = [], 1
+    while m < max_tokens:
+        buckets.append(m)
+        m *= 2
+    return buckets + [max_tokens]
+
+
+@attrs.frozen
+class BuiltBackend:
+    """Compiled kernels for one backend and weight layout."""
+
+    backend: Backend
+    gemm1: object
+    gemm2: object
+    fast_path: bool
+
+
+def build_backend(config: MoEConfig, backend: Backend, spec1: QuantSpec, spec2: QuantSpec) -> BuiltBackend:
+    """Compile (once, cached) the two GEMMs `backend` names, for gemm1 weights in `spec1`
+    and gemm2 weights in `spec2`."""
+    h, i, n1 = config.hidden_size, config.intermediate_size, config.gate_up_size
+    half = config.dtype
+    gemm1 = make_grouped_gemm(spec1, n1, h, backend.gemm1, half, backend.gemm1.split_k > 1, False)
+    gemm2 = make_grouped_gemm(spec2, h, i, backend.gemm2, half, backend.gemm2.split_k > 1, False)
+    return BuiltBackend(backend, gemm1, gemm2, fast_path_supported(spec1, half) and fast_path_supported(spec2, half))

@@ -1,0 +1,141 @@
+"""The one kernel sequence of an MoE layer, shared by `fused_moe` and `MoELayer`.
+
+    prepare:  pick the backend (oracle), take the workspace's views for this token count,
+              route (top-k of the router logits, unless given) and align the token slots
+              to expert blocks;
+    run:      gemm1 (hidden -> gate/up) -> hooks -> activation -> gemm2 (-> hidden)
+              -> hooks -> combine (weighted sum over each token's experts).
+
+Every buffer comes from the persistent `Workspace`, every kernel launches on torch's
+current stream, and nothing synchronises the host, so after a warm-up call a forward
+allocates no device memory and can be captured in a CUDA graph. Inputs are validated
+once, here, before any kernel runs.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from numba_kernels import interop
+from numba_kernels.activation import activate
+from numba_kernels.align import moe_align_block_size
+from numba_kernels.combine import combine
+from numba_kernels.gemm import grouped_gemm
+from numba_kernels.routing import route
+
+from .config import MoEConfig
+from .hooks import GemmStep, MoEHooks
+from .oracle import Backend, select_backend
+from .weights import ExpertWeights
+from .workspace import CallBuffers, Workspace
+
+_NO_HOOKS = MoEHooks()
+
+
+@attrs.frozen(eq=False)
+class Prepared:
+    """A call after `prepare`: routing and alignment launched, buffers chosen."""
+
+    config: MoEConfig
+    backend: Backend
+    buffers: CallBuffers
+    hidden_states: torch.Tensor
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+
+
+def _check_inputs(config: MoEConfig, weights: ExpertWeights, hidden_states, router_logits, topk):
+    if weights.config != config:
+        raise ValueError("weights were built for another MoEConfig than the one given")
+    weights.check_loaded()
+    half = getattr(torch, config.dtype)
+    hidden_states = interop.check_tensor("hidden_states", hidden_states, dtype=half, ndim=2)
+    tokens = hidden_states.shape[0]
+    if hidden_states.shape[1] != config.hidden_size:
+        raise ValueError(f"hidden_states must be (M, {config.hidden_size}), got {tuple(hidden_states.shape)}")
+    if tokens == 0:
+        raise ValueError("hidden_states holds no tokens")
+    if (router_logits is None) == (topk is None):
+        raise ValueError("pass exactly one of router_logits and topk=(topk_weights, topk_ids)")
+    if router_logits is not None:
+        router_logits = interop.check_tensor("router_logits", router_logits,
+                                             dtype=(torch.float32, torch.bfloat16, torch.float16),
+                                             shape=(tokens, config.num_experts))
+        return hidden_states, router_logits, None
+    if not (isinstance(topk, (tuple, list)) and len(topk) == 2):
+        raise TypeError("topk must be a (topk_weights, topk_ids) pair")
+    shape = (tokens, config.top_k)
+    topk_weights = interop.check_tensor("topk_weights", topk[0], dtype=torch.float32, shape=shape)
+    topk_ids = interop.check_tensor("topk_ids", topk[1], dtype=torch.int32, shape=shape)
+    return hidden_states, None, (topk_weights, topk_ids)
+
+
+def check_expert_ids(config: MoEConfig, topk_ids: torch.Tensor) -> None:
+    """Raise if any expert id lies outside [0, num_experts) (synchronises the host)."""
+    low, high = int(topk_ids.min()), int(topk_ids.max())
+    if low < 0 or high >= config.num_experts:
+        raise ValueError(f"topk_ids must lie in [0, {config.num_experts}), got values from {low} to {high}")
+
+
+def prepare(config: MoEConfig, weights: ExpertWeights, workspace: Workspace, hidden_states, router_logits=None, *,
+            topk=None, correction_bias=None, check_ids: bool = True) -> Prepared:
+    """Validate, pick the backend, route and align (see the module docstring)."""
+    hidden_states, router_logits, topk = _check_inputs(config, weights, hidden_states, router_logits, topk)
+    if workspace.config != config:
+        raise ValueError("the workspace was built for another MoEConfig than the one given")
+    tokens = hidden_states.shape[0]
+    backend = select_backend(config, tokens, weights.spec)
+    buffers = workspace.buffers(tokens, backend)
+    if topk is None:
+        topk_weights, topk_ids = route(router_logits, config.routing, correction_bias=correction_bias,
+                                       out=(buffers.topk_weights, buffers.topk_ids))
+    else:
+        topk_weights, topk_ids = topk
+        if check_ids:
+            check_expert_ids(config, topk_ids)
+    moe_align_block_size(topk_ids, backend.block_m, config.num_experts, expert_map=workspace.expert_map,
+                         ignore_invalid_experts=False, check_ids=False,
+                         out=(buffers.sorted_token_ids, buffers.expert_ids, buffers.num_tokens_post_padded))
+    return Prepared(config, backend, buffers, hidden_states, topk_weights, topk_ids)
+
+
+def run(prepared: Prepared, weights: ExpertWeights, hooks: MoEHooks | None = None) -> torch.Tensor:
+    """gemm1 -> activation -> gemm2 -> combine into the workspace's output (M, H)."""
+    hooks = _NO_HOOKS if hooks is None else hooks
+    config, backend, buffers = prepared.config, prepared.backend, prepared.buffers
+    slots = prepared.topk_ids.numel()
+    alignment = (buffers.sorted_token_ids, buffers.expert_ids, buffers.num_tokens_post_padded)
+
+    step = GemmStep("gemm1", prepared.hidden_states, buffers.gemm1_out, prepared.topk_ids, config.top_k)
+    hooks.pre_gemm(step)
+    grouped_gemm(prepared.hidden_states, weights.w13, *alignment, num_slots=slots, tile=backend.gemm1,
+                 out=buffers.gemm1_out)
+    hooks.post_gemm(step)
+    activate(buffers.gemm1_out, config.activation, out=buffers.intermediate)
+
+    step = GemmStep("gemm2", buffers.intermediate, buffers.gemm2_out, prepared.topk_ids, 1)
+    hooks.pre_gemm(step)
+    grouped_gemm(buffers.intermediate, weights.w2, *alignment, num_slots=slots, tile=backend.gemm2,
+                 out=buffers.gemm2_out)
+    hooks.post_gemm(step)
+    combine(buffers.gemm2_out, prepared.topk_weights, out=buffers.output)
+    return buffers.output
+
+
+def fused_moe(hidden_states, router_logits, weights: ExpertWeights, config: MoEConfig, *,
+              workspace: Workspace | None = None, lora: MoEHooks | None = None, topk=None,
+              correction_bias=None, check_ids: bool = True) -> torch.Tensor:
+    """The MoE layer as a function: (M, H) hidden states and (M, E) router logits (or
+    `topk=(topk_weights, topk_ids)` instead of logits) -> (M, H) output.
+
+    The output is a view of the workspace's output buffer, valid until its next call (as
+    with a CUDA graph's static outputs; copy it to keep it). Without a workspace one is
+    made for this call (allocating); pass a persistent one in any loop. `lora` takes
+    `LoRAHooks` (or any `MoEHooks`). `check_ids` validates given topk_ids (a host sync).
+    """
+    if workspace is None:
+        workspace = Workspace(config, interop.as_tensor(hidden_states, "hidden_states").shape[0], weights.spec)
+    prepared = prepare(config, weights, workspace, hidden_states, router_logits, topk=topk,
+                       correction_bias=correction_bias, check_ids=check_ids)
+    return run(prepared, weights, lora)

@@ -1,0 +1,151 @@
+"""Expert weights of a layer in the kernel layout, and the conversion from checkpoints.
+
+`ExpertWeights` preallocates the layer's weights in the kernel-native layout
+(`formats.native`, Marlin's tensor-core tiles; for formats the native layout cannot hold,
+the checkpoint's own layout, which the GEMM reads through its index maps) and converts
+checkpoint tensors into them expert by expert on the device (`numba_kernels.repack`),
+through one reusable scratch buffer per checkpoint tensor. So converting costs about one
+expert's checkpoint tensors of extra memory, nothing of the checkpoint stays alive
+afterwards, and loading new weights later (reinforcement-learning weight sync) converts
+them into the same buffers, so kernels, launchers and captured graphs keep working.
+
+GPTQ, AWQ, compressed-tensors, Marlin and NVFP4 (compressed-tensors or ModelOpt names)
+all go through this one path; only the layout spec differs. w13 holds [w1 (gate); w3 (up)]
+rows, logical (E, 2I, H) (or (E, I, H) for non-gated activations); w2 is (E, H, I).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+import numpy as np
+import torch
+
+from numba_kernels import interop
+from numba_kernels.repack import destination_tensors, repack
+from numba_kernels.weights import KernelWeights
+
+from .config import MoEConfig
+
+
+def _to_tensor(value) -> torch.Tensor:
+    if isinstance(value, (np.ndarray, np.generic)):
+        array = np.asarray(value)
+        if array.dtype == np.uint16:
+            return torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
+        if array.dtype == np.uint32:
+            array = array.view(np.int32)
+        return torch.from_numpy(np.ascontiguousarray(array))
+    return interop.as_tensor(value, "checkpoint tensor")
+
+
+class ExpertWeights:
+    """The layer's w13 and w2 in the layout the kernels read, preallocated for the local
+    experts; `load_expert` / `load` fill them from checkpoint tensors."""
+
+    def __init__(self, config: MoEConfig):
+        self.config = config
+        self.checkpoint_spec = config.quant.checkpoint_spec(config.dtype)
+        self.spec = config.quant.native_spec(config.dtype) or self.checkpoint_spec
+        experts, h, i = config.num_local_experts, config.hidden_size, config.intermediate_size
+        self.w13_shape = (experts, config.gate_up_size, h)
+        self.w2_shape = (experts, h, i)
+        self._w13 = {name: interop.empty(shape, dtype)
+                     for name, (shape, dtype) in destination_tensors(self.spec, self.w13_shape).items()}
+        self._w2 = {name: interop.empty(shape, dtype)
+                    for name, (shape, dtype) in destination_tensors(self.spec, self.w2_shape).items()}
+        self.w13 = KernelWeights.from_physical(self.spec, self._w13, self.w13_shape)
+        self.w2 = KernelWeights.from_physical(self.spec, self._w2, self.w2_shape)
+        self._scratch: dict[tuple[str, str], torch.Tensor] = {}
+        self.loaded = np.zeros(experts, dtype=bool)
+
+    def _on_device(self, role: str, physical: Mapping) -> dict[str, torch.Tensor]:
+        """Copy one expert's checkpoint tensors into reusable device scratch buffers."""
+        staged = {}
+        for name, value in physical.items():
+            tensor = _to_tensor(value)
+            key = (role, name)
+            buffer = self._scratch.get(key)
+            if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+                buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device=interop.kernel_device())
+                self._scratch[key] = buffer
+            buffer.copy_(tensor)
+            staged[name] = buffer
+        return staged
+
+    def _convert(self, role: str, physical: Mapping, logical: tuple[int, int], out: dict, expert: int, *,
+                 dst_rows: int, row_offset: int = 0) -> None:
+        source = KernelWeights.from_physical(self.checkpoint_spec, self._on_device(role, physical), logical)
+        if source.num_experts != 1:
+            raise ValueError(f"{role} must hold one expert's tensors, got {source.num_experts} experts")
+        repack(source, self.spec, out=out, experts=range(expert, expert + 1), row_offset=row_offset,
+               dst_rows=dst_rows, zero_first=row_offset == 0)
+
+    def load_expert(self, expert: int, w1: Mapping, w2: Mapping, w3: Mapping | None = None) -> None:
+        """Convert local expert `expert`'s checkpoint tensors (engine names, one expert's
+        shapes: w1 and w3 (I, H), w2 (H, I)) into the kernel buffers."""
+        config = self.config
+        if not 0 <= expert < config.num_local_experts:
+            raise IndexError(f"expert must lie in [0, {config.num_local_experts}), got {expert}")
+        h, i = config.hidden_size, config.intermediate_size
+        if config.activation.gated and w3 is None:
+            raise ValueError(f"a gated activation ({config.activation.name}) needs w3 (the up projection)")
+        if not config.activation.gated and w3 is not None:
+            raise ValueError(f"a non-gated activation ({config.activation.name}) takes no w3")
+        self._check_shared_global_scale(expert, w1, w3)
+        gate_up = self.w13_shape[1]
+        self._convert("w1", w1, (i, h), self._w13, expert, dst_rows=gate_up)
+        if w3 is not None:
+            self._convert("w3", w3, (i, h), self._w13, expert, dst_rows=gate_up, row_offset=i)
+        self._convert("w2", w2, (h, i), self._w2, expert, dst_rows=h)
+        self.loaded[expert] = True
+
+    def _check_shared_global_scale(self, expert: int, w1: Mapping, w3: Mapping | None) -> None:
+        """The kernel layout keeps one NVFP4 global scale per expert for [w1; w3]: checkpoint
+        exporters give fused gate/up projections one (ModelOpt unifies their amax)."""
+        name = self.checkpoint_spec.global_scale_name
+        if name is None or w3 is None:
+            return
+        gate, up = (float(_to_tensor(w[name]).float().reshape(-1)[0]) for w in (w1, w3))
+        if gate != up:
+            raise ValueError(f"expert {expert}: w1 and w3 have different global scales ({name} {gate} and {up}); "
+                             "the kernel layout keeps one per expert, as fused gate/up checkpoints store them")
+
+    def load(self, experts: Iterable[tuple[int, Mapping, Mapping, Mapping | None]]) -> None:
+        """`load_expert` for each (expert, w1, w2, w3) of `experts` (any iterable, e.g. a
+        generator reading a checkpoint expert by expert)."""
+        for expert, w1, w2, w3 in experts:
+            self.load_expert(expert, w1, w2, w3)
+
+    def load_stacked(self, w1: Mapping, w2: Mapping, w3: Mapping | None = None) -> None:
+        """`load` from stacked checkpoint tensors (leading expert axis), one expert at a time,
+        then drop the scratch."""
+        shape_name = self.checkpoint_spec.shape_name
+
+        def expert_slice(physical: Mapping | None, expert: int):
+            if physical is None:
+                return None
+            return {name: value[expert] for name, value in physical.items() if name != shape_name}
+
+        self.load((e, expert_slice(w1, e), expert_slice(w2, e), expert_slice(w3, e))
+                  for e in range(self.config.num_local_experts))
+        self.release_scratch()
+
+    def release_scratch(self) -> None:
+        """Free the conversion scratch buffers (they are reused while loading)."""
+        self._scratch.clear()
+
+    def check_loaded(self) -> None:
+        if not self.loaded.all():
+            missing = np.flatnonzero(~self.loaded)
+            raise RuntimeError(f"experts {missing[:8].tolist()}{'...' if missing.size > 8 else ''} have no weights: "
+                               "call load_expert or load first")
+
+
+def process_weights_after_loading(config: MoEConfig, w1: Mapping, w2: Mapping, w3: Mapping | None = None) -> ExpertWeights:
+    """Convert stacked checkpoint tensors (engine names, leading local-expert axis; w1 and w3
+    the gate and up projections, logical (E, I, H); w2 (E, H, I)) into the kernel layout,
+    one expert at a time through one scratch buffer per tensor, which is freed afterwards."""
+    weights = ExpertWeights(config)
+    weights.load_stacked(w1, w2, w3)
+    return weights

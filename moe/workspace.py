@@ -1,0 +1,114 @@
+"""The persistent workspace: every scratch buffer of a forward pass, allocated once.
+
+Buffers are sized for a maximum token count from the worst launch of every kernel over
+all the backends the oracle may pick up to that count (a K split multiplies the GEMM
+outputs; a smaller alignment block pads more), never from the current input, so a
+forward pass allocates nothing and can be captured in a CUDA graph and replayed. One
+workspace can serve every layer of a model with the same shapes. A call with more tokens
+than planned raises `WorkspaceTooSmall`; `grow` enlarges it explicitly.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from layouts import QuantSpec
+from numba_kernels import interop
+from numba_kernels.align import align_sizes
+
+from .config import MoEConfig
+from .oracle import Backend, select_backend, token_buckets
+
+
+class WorkspaceTooSmall(ValueError):
+    """A call needs more tokens than the workspace was sized for."""
+
+
+@attrs.frozen(eq=False)
+class CallBuffers:
+    """Views of the workspace for one call of `num_tokens` tokens."""
+
+    topk_weights: torch.Tensor  # (M, top_k) float32
+    topk_ids: torch.Tensor  # (M, top_k) int32
+    sorted_token_ids: torch.Tensor  # int32
+    expert_ids: torch.Tensor  # int32
+    num_tokens_post_padded: torch.Tensor  # (1,) int32
+    gemm1_out: torch.Tensor  # (slots, 2I) half, or (split, slots, 2I) float32
+    intermediate: torch.Tensor  # (slots, I) half
+    gemm2_out: torch.Tensor  # (slots, H) half, or (split, slots, H) float32
+    output: torch.Tensor  # (M, H) half
+
+
+def _gemm_out_elements(backend_split: int, slots: int, width: int) -> int:
+    """float32 elements of a GEMM output: partials per split, or half values (2 per float)."""
+    return backend_split * slots * width if backend_split > 1 else -(-slots * width // 2)
+
+
+class Workspace:
+    """Scratch buffers for up to `max_tokens` tokens of layers shaped like `config` whose
+    weights are stored as `spec` (the oracle's choices depend on it)."""
+
+    def __init__(self, config: MoEConfig, max_tokens: int, spec: QuantSpec):
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+        self.config, self.spec = config, spec
+        self.expert_map = None if config.expert_map is None else torch.tensor(
+            config.expert_map, dtype=torch.int32, device=interop.kernel_device())
+        self._allocate(max_tokens)
+
+    def _allocate(self, max_tokens: int) -> None:
+        config = self.config
+        backends = [select_backend(config, m, self.spec) for m in token_buckets(max_tokens)]
+        slots = max_tokens * config.top_k
+        sizes = [align_sizes(slots, config.num_experts, b.block_m) for b in backends]
+        half = getattr(torch, config.dtype)
+        gemm1 = max(_gemm_out_elements(b.gemm1.split_k, slots, config.gate_up_size) for b in backends)
+        gemm2 = max(_gemm_out_elements(b.gemm2.split_k, slots, config.hidden_size) for b in backends)
+        device = interop.kernel_device()
+        self.max_tokens = max_tokens
+        self._topk_weights = torch.empty((max_tokens, config.top_k), dtype=torch.float32, device=device)
+        self._topk_ids = torch.empty((max_tokens, config.top_k), dtype=torch.int32, device=device)
+        self._sorted_ids = torch.empty(max(s[0] for s in sizes), dtype=torch.int32, device=device)
+        self._expert_ids = torch.empty(max(s[1] for s in sizes), dtype=torch.int32, device=device)
+        self._num_post_padded = torch.empty(1, dtype=torch.int32, device=device)
+        self._gemm1 = torch.empty(gemm1, dtype=torch.float32, device=device)
+        self._intermediate = torch.empty((slots, config.intermediate_size), dtype=half, device=device)
+        self._gemm2 = torch.empty(gemm2, dtype=torch.float32, device=device)
+        self._output = torch.empty((max_tokens, config.hidden_size), dtype=half, device=device)
+
+    def grow(self, max_tokens: int) -> None:
+        """Reallocate for a larger maximum (explicit: calls never grow the workspace)."""
+        if max_tokens > self.max_tokens:
+            self._allocate(max_tokens)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (
+            self._topk_weights, self._topk_ids, self._sorted_ids, self._expert_ids, self._num_post_padded,
+            self._gemm1, self._intermediate, self._gemm2, self._output))
+
+    def buffers(self, num_tokens: int, backend: Backend) -> CallBuffers:
+        """Views for a call of `num_tokens` tokens run by `backend`."""
+        if num_tokens > self.max_tokens:
+            raise WorkspaceTooSmall(f"the workspace holds {self.max_tokens} tokens, the call has {num_tokens}: "
+                                    f"create it with a larger max_tokens or call grow({num_tokens})")
+        config = self.config
+        slots = num_tokens * config.top_k
+        padded, blocks = align_sizes(slots, config.num_experts, backend.block_m)
+        half = getattr(torch, config.dtype)
+
+        def gemm_view(buffer, split, width):
+            if split > 1:
+                return buffer[:split * slots * width].view(split, slots, width)
+            return buffer.view(half)[:slots * width].view(slots, width)
+
+        return CallBuffers(
+            topk_weights=self._topk_weights[:num_tokens], topk_ids=self._topk_ids[:num_tokens],
+            sorted_token_ids=self._sorted_ids[:padded], expert_ids=self._expert_ids[:blocks],
+            num_tokens_post_padded=self._num_post_padded,
+            gemm1_out=gemm_view(self._gemm1, backend.gemm1.split_k, config.gate_up_size),
+            intermediate=self._intermediate[:slots],
+            gemm2_out=gemm_view(self._gemm2, backend.gemm2.split_k, config.hidden_size),
+            output=self._output[:num_tokens],
+        )

@@ -1,0 +1,184 @@
+"""The MoE runner: the layer equals its float64 definition for every checkpoint format, the
+function and the module share one path, LoRA hooks add B @ A per expert and adapter,
+expert-parallel ranks sum to the full layer, weights reload in place, and bad inputs fail
+before any kernel runs."""
+
+import numpy as np
+import pytest
+import torch
+
+from moe import (LoRAAdapter, LoRAHooks, MoEConfig, MoELayer, QuantScheme, Workspace, WorkspaceTooSmall, fused_moe,
+                 process_weights_after_loading)
+from moe.reference import random_checkpoint, reference_moe
+from numba_kernels import interop
+
+TINY = dict(num_experts=4, top_k=2, hidden_size=64, intermediate_size=64)
+DEVICE = interop.kernel_device()
+
+
+def _inputs(config, tokens, seed=0):
+    rng = np.random.default_rng(seed)
+    hidden = torch.from_numpy(rng.standard_normal((tokens, config.hidden_size))).to(torch.bfloat16)
+    logits = torch.from_numpy(rng.standard_normal((tokens, config.num_experts)).astype(np.float32))
+    return hidden, logits
+
+
+def _relative_error(got, expected):
+    got = got.float().cpu().numpy() if isinstance(got, torch.Tensor) else got
+    assert not np.isnan(got).any()
+    return np.linalg.norm(got - expected) / np.linalg.norm(expected)
+
+
+def _layer(config, seed=0, max_tokens=4):
+    checkpoint = random_checkpoint(config, np.random.default_rng(seed))
+    layer = MoELayer(config, max_tokens=max_tokens)
+    layer.load_weights(checkpoint.w1, checkpoint.w2, checkpoint.w3)
+    return layer, checkpoint
+
+
+@pytest.mark.parametrize("quant", [
+    QuantScheme("gptq", bits=4, group_size=32), QuantScheme("awq", bits=4, group_size=64),
+    QuantScheme("compressed_tensors", bits=8, group_size=None), QuantScheme("nvfp4", nvfp4_checkpoint="modelopt"),
+], ids=lambda q: q.format)
+def test_layer_matches_the_float_reference_for_each_checkpoint_format(quant):
+    config = MoEConfig(**TINY, quant=quant)
+    layer, checkpoint = _layer(config)
+    hidden, logits = _inputs(config, 3)
+    out = layer(hidden.to(DEVICE), logits.to(DEVICE))
+    expected = reference_moe(config, hidden.float().numpy(), checkpoint.dense_w13, checkpoint.dense_w2,
+                             router_logits=logits.numpy())
+    assert _relative_error(out, expected) < 2e-2
+
+
+def test_function_and_layer_run_the_same_sequence():
+    config = MoEConfig(**TINY, quant=QuantScheme("gptq", group_size=32))
+    layer, checkpoint = _layer(config)
+    hidden, logits = _inputs(config, 2, seed=1)
+    from_layer = layer(hidden.to(DEVICE), logits.to(DEVICE)).clone()
+    weights = process_weights_after_loading(config, checkpoint.w1, checkpoint.w2, checkpoint.w3)
+    from_function = fused_moe(hidden.to(DEVICE), logits.to(DEVICE), weights, config)
+    torch.testing.assert_close(from_function, from_layer, rtol=0, atol=0)
+
+
+def test_precomputed_top_k_replaces_the_logits():
+    config = MoEConfig(**TINY, scoring="sigmoid", renormalize=True, quant=QuantScheme("gptq", group_size=32))
+    layer, checkpoint = _layer(config)
+    hidden, _ = _inputs(config, 3, seed=2)
+    topk_ids = torch.tensor([[0, 3], [2, 1], [3, 3]], dtype=torch.int32)
+    topk_weights = torch.tensor([[0.7, 0.3], [0.5, 0.5], [1.0, 0.25]])
+    out = layer(hidden.to(DEVICE), topk=(topk_weights.to(DEVICE), topk_ids.to(DEVICE)))
+    expected = reference_moe(config, hidden.float().numpy(), checkpoint.dense_w13, checkpoint.dense_w2,
+                             topk=(topk_weights.numpy(), topk_ids.numpy()))
+    assert _relative_error(out, expected) < 2e-2
+
+
+def test_lora_hooks_add_each_tokens_adapter():
+    config = MoEConfig(**TINY, quant=QuantScheme("awq", group_size=32))
+    layer, checkpoint = _layer(config)
+    rng = np.random.default_rng(5)
+    experts, h, i = config.num_experts, config.hidden_size, config.intermediate_size
+
+    def adapter(rank, scaling):
+        tensors = [rng.standard_normal(shape) * 0.1 for shape in
+                   ((experts, rank, h), (experts, 2 * i, rank), (experts, rank, i), (experts, h, rank))]
+        return LoRAAdapter(*(torch.from_numpy(t).to(torch.bfloat16).to(DEVICE) for t in tensors), scaling=scaling)
+
+    adapters = [adapter(4, 0.5), adapter(2, 2.0)]
+    hooks = LoRAHooks(config, adapters, max_tokens=4)
+    token_adapter = torch.tensor([1, -1, 0], dtype=torch.int32)
+    hooks.set_token_adapters(token_adapter.to(DEVICE))
+    layer.hooks = hooks
+    hidden, logits = _inputs(config, 3, seed=3)
+    out = layer(hidden.to(DEVICE), logits.to(DEVICE))
+
+    def deltas(token):
+        index = int(token_adapter[token])
+        if index < 0:
+            return None
+        a = adapters[index]
+        b13, a13, b2, a2 = (t.float().cpu().numpy().astype(np.float64) for t in
+                            (a.gate_up_b, a.gate_up_a, a.down_b, a.down_a))
+        return a.scaling * b13 @ a13, a.scaling * b2 @ a2
+
+    expected = reference_moe(config, hidden.float().numpy(), checkpoint.dense_w13, checkpoint.dense_w2,
+                             router_logits=logits.numpy(), lora_deltas=deltas)
+    assert _relative_error(out, expected) < 2e-2
+
+
+def test_expert_parallel_ranks_sum_to_the_full_layer():
+    base = dict(TINY, quant=QuantScheme("gptq", group_size=32))
+    full_config = MoEConfig(**base)
+    checkpoint = random_checkpoint(full_config, np.random.default_rng(7))
+    hidden, logits = _inputs(full_config, 3, seed=4)
+    total = np.zeros((3, full_config.hidden_size))
+    for rank in range(2):
+        owned = [e for e in range(full_config.num_experts) if e % 2 == rank]
+        expert_map = [owned.index(e) if e in owned else -1 for e in range(full_config.num_experts)]
+        config = MoEConfig(**base, expert_map=expert_map)
+        layer = MoELayer(config, max_tokens=4)
+        layer.load_weights(*({name: value[owned] for name, value in w.items()} for w in
+                             (checkpoint.w1, checkpoint.w2, checkpoint.w3)))
+        total += layer(hidden.to(DEVICE), logits.to(DEVICE)).float().cpu().numpy()
+    expected = reference_moe(full_config, hidden.float().numpy(), checkpoint.dense_w13, checkpoint.dense_w2,
+                             router_logits=logits.numpy())
+    assert _relative_error(total, expected) < 2e-2
+
+
+def test_reloading_weights_converts_into_the_same_buffers():
+    config = MoEConfig(**TINY, quant=QuantScheme("compressed_tensors", group_size=32))
+    layer, _ = _layer(config, seed=0)
+    buffers = [t.data_ptr() for t in layer.weights.w13.tensors + layer.weights.w2.tensors]
+    second = random_checkpoint(config, np.random.default_rng(11))
+    layer.load_weights(second.w1, second.w2, second.w3)
+    assert [t.data_ptr() for t in layer.weights.w13.tensors + layer.weights.w2.tensors] == buffers
+    hidden, logits = _inputs(config, 2, seed=5)
+    expected = reference_moe(config, hidden.float().numpy(), second.dense_w13, second.dense_w2,
+                             router_logits=logits.numpy())
+    assert _relative_error(layer(hidden.to(DEVICE), logits.to(DEVICE)), expected) < 2e-2
+
+
+@pytest.fixture(scope="module")
+def small_layer():
+    return _layer(MoEConfig(**TINY, quant=QuantScheme("gptq", group_size=32)), max_tokens=2)[0]
+
+
+@pytest.mark.parametrize("hidden, logits, topk, error, message", [
+    (torch.zeros(2, 64), torch.zeros(2, 4), None, TypeError, "hidden_states must be a torch.bfloat16"),
+    (torch.zeros(2, 32, dtype=torch.bfloat16), torch.zeros(2, 4), None, ValueError, r"hidden_states must be \(M, 64\)"),
+    (torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(2, 5), None, ValueError, "router_logits must have shape"),
+    (torch.zeros(2, 64, dtype=torch.bfloat16), None, (torch.ones(2, 2), torch.full((2, 2), 4, dtype=torch.int32)),
+     ValueError, r"topk_ids must lie in \[0, 4\)"),
+    (torch.zeros(2, 64, dtype=torch.bfloat16), torch.zeros(2, 4), (torch.ones(2, 2), torch.zeros(2, 2, dtype=torch.int32)),
+     ValueError, "exactly one of"),
+    (torch.zeros(3, 64, dtype=torch.bfloat16), torch.zeros(3, 4), None, WorkspaceTooSmall, "holds 2 tokens"),
+])
+def test_bad_inputs_fail_before_any_kernel(small_layer, hidden, logits, topk, error, message):
+    move = (lambda t: t.to(DEVICE)) if DEVICE.type == "cuda" else (lambda t: t)
+    with pytest.raises(error, match=message):
+        small_layer(move(hidden), None if logits is None else move(logits),
+                    topk=None if topk is None else tuple(move(t) for t in topk))
+
+
+def test_bad_configurations_are_rejected():
+    with pytest.raises(ValueError, match="top_k"):
+        MoEConfig(num_experts=4, top_k=5, hidden_size=64, intermediate_size=64)
+    with pytest.raises(ValueError, match="expert_map"):
+        MoEConfig(**TINY, expert_map=[0, 0, -1, -1])
+    with pytest.raises(ValueError, match="format"):
+        QuantScheme("exl2")
+
+
+def test_unloaded_experts_are_reported():
+    config = MoEConfig(**TINY, quant=QuantScheme("gptq", group_size=32))
+    layer = MoELayer(config, max_tokens=2)
+    hidden, logits = _inputs(config, 1)
+    with pytest.raises(RuntimeError, match="have no weights"):
+        layer(hidden.to(DEVICE), logits.to(DEVICE))
+
+
+def test_workspace_grows_only_when_asked():
+    config = MoEConfig(**TINY, quant=QuantScheme("gptq", group_size=32))
+    workspace = Workspace(config, 2, config.quant.native_spec())
+    before = workspace.nbytes
+    workspace.grow(64)
+    assert workspace.max_tokens == 64 and workspace.nbytes > before
