@@ -131,6 +131,29 @@ class ExpertWeights:
                   for e in range(self.config.num_local_experts))
         self.release_scratch()
 
+    def fill_random(self, seed: int = 0) -> None:
+        """Random weights written straight into the kernel buffers, for benchmarks (no
+        checkpoint, no conversion): random code bits, scales in a moderate range."""
+        generator = torch.Generator(device=interop.kernel_device()).manual_seed(seed)
+        spec = self.spec
+        for tensors, (_, _, k) in ((self._w13, self.w13_shape), (self._w2, self.w2_shape)):
+            for name, tensor in tensors.items():
+                if name == spec.scales.name and tensor.dtype == torch.uint8:  # float8_e4m3: 2**-4 .. 2**2
+                    tensor.copy_(torch.randint(0x18, 0x48, tensor.shape, generator=generator, device=tensor.device))
+                elif name == spec.scales.name:
+                    tensor.uniform_(0.5 / k ** 0.5, 1.5 / k ** 0.5, generator=generator)
+                elif name == spec.global_scale_name:
+                    tensor.fill_(1.0)
+                elif name == spec.g_idx_name:
+                    tensor.copy_(torch.arange(k, device=tensor.device) // spec.group_size)
+                elif name == spec.sort_indices_name and spec.sort_k_by_group:
+                    tensor.copy_(torch.arange(k, device=tensor.device))
+                else:
+                    info = torch.iinfo(tensor.dtype)
+                    tensor.copy_(torch.randint(info.min, info.max, tensor.shape, generator=generator,
+                                               device=tensor.device, dtype=torch.int64).to(tensor.dtype))
+        self.loaded[:] = True
+
     def release_scratch(self) -> None:
         """Free the conversion scratch buffers (they are reused while loading)."""
         self._scratch.clear()

@@ -348,7 +348,7 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
     if tile.split_k > 1 and not partial_output:
         raise ValueError("split_k > 1 produces float32 partials: pass partial_output=True (or leave it unset)")
     if topk_weights is None:
-        weights_flat = torch.ones(1, dtype=torch.float32, device=act.device)
+        weights_flat = interop.stand_in(1.0, torch.float32, act.device)
     else:
         topk_weights = interop.check_tensor("topk_weights", topk_weights, dtype=torch.float32)
         if topk_weights.numel() != num_slots:

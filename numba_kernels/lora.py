@@ -107,7 +107,7 @@ def add_lora(x, topk_ids, lora_a, lora_b, scaling, token_adapter, out, *, expert
     if mapped:
         expert_map = interop.check_tensor("expert_map", expert_map, dtype=torch.int32, ndim=1)
     else:
-        expert_map = torch.zeros(1, dtype=torch.int32, device=x.device)
+        expert_map = interop.stand_in(0, torch.int32, x.device)
     kernel = make_lora_kernel(rank, interop.HALF_NAMES[x.dtype], partial, mapped)
     to = interop.to_kernel
     kernel[slots, THREADS, interop.launch_stream()](

@@ -182,3 +182,12 @@ def test_workspace_grows_only_when_asked():
     before = workspace.nbytes
     workspace.grow(64)
     assert workspace.max_tokens == 64 and workspace.nbytes > before
+
+
+def test_random_kernel_layout_weights_give_finite_outputs():
+    config = MoEConfig(**TINY, quant=QuantScheme("native", bits=4, group_size=32))
+    layer = MoELayer(config, max_tokens=2)
+    layer.weights.fill_random(seed=3)
+    hidden, logits = _inputs(config, 2)
+    out = layer(hidden.to(DEVICE), logits.to(DEVICE))
+    assert torch.isfinite(out.float()).all() and out.float().abs().max() > 0

@@ -1,0 +1,229 @@
+"""Benchmark the quantized MoE layer against its floor and the references, on the GPU.
+
+For each shape (Qwen3-30B-A3B, Mixtral-8x7B, a DeepSeek-V3 layer), format (int4 group 128
+in the kernel layout, NVFP4) and token count M, it times with CUDA events, after warm-up,
+with the L2 cache flushed before every run, the median of many runs of:
+
+* gemm_ms:  the two grouped GEMMs (routing and alignment done beforehand);
+* layer_ms: the whole layer (routing to combine) replayed from a CUDA graph;
+* torch_ms: the torch reference, dequantised bf16 experts multiplied in a loop over experts;
+* grouped_mm_ms: torch._grouped_mm on bf16 experts (CUTLASS tensor cores), for comparison;
+
+and at M = 1 the eager layer (host-bound: every kernel launched from Python). The floor
+of the two GEMMs is max(bytes of the touched experts' weights / copy bandwidth,
+flops / bf16 matmul rate), both ceilings measured in the same run. Weights are random
+bits written straight into the kernel layout (timing does not depend on their values;
+correctness is the tests' job).
+
+    python benchmarks/bench_moe.py --json results.json [--shapes qwen3 mixtral] [--tokens 1 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import time
+
+import numpy as np
+import torch
+
+import numba_kernels  # noqa: F401  (before numba: no simulator on a GPU machine)
+from moe import MoEConfig, MoELayer, QuantScheme, prepare, run
+from numba_kernels.gemm import grouped_gemm
+
+SHAPES = {"qwen3": dict(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768),
+          "mixtral": dict(num_experts=8, top_k=2, hidden_size=4096, intermediate_size=14336),
+          "deepseek": dict(num_experts=256, top_k=8, hidden_size=7168, intermediate_size=2048)}
+FORMATS = {"w4a16-g128": QuantScheme("native", bits=4, group_size=128), "nvfp4": QuantScheme("nvfp4")}
+TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
+
+REFERENCE_FIGURES = """Reference figures (H100, from the issues; two GEMMs, same floor definition):
+  vLLM Marlin MoE:   Qwen3 M=1 0.029 ms (0.22), M=16 0.105 ms (0.59), M=256 0.195 ms (0.53), M=4096 1.308 ms (0.30)
+                     Mixtral M=1 0.101 ms (0.60), M=16 0.259 ms (0.82), M=256 0.945 ms (0.26), M=4096 10.18 ms (0.36)
+  vLLM Triton W4A16: Qwen3 M=1/16/4096 0.059 / 0.467 / 2.264 ms; Mixtral 0.466 / 1.579 / 17.15 ms
+  torch._grouped_mm (bf16): Qwen3 M=1 0.071 ms, M=4096 0.893 ms; Mixtral M=1 0.299 ms, M=4096 4.974 ms"""
+
+
+class Timer:
+    """Median CUDA-event time of a function, with the L2 flushed before each run."""
+
+    def __init__(self, flush_bytes: int = 512 << 20):
+        self.flush_buffer = torch.empty(flush_bytes, dtype=torch.uint8, device="cuda")
+
+    def __call__(self, fn, repeats: int = 30, flush: bool = True) -> float:
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(repeats):
+            if flush:
+                self.flush_buffer.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+
+def copy_bandwidth(timer: Timer) -> float:
+    """Bytes per second of a 2 GiB device copy, counting bytes read and written."""
+    source = torch.empty(1 << 31, dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    ms = timer(lambda: target.copy_(source), repeats=10, flush=False)
+    return 2 * source.numel() / (ms * 1e-3)
+
+
+def matmul_rate(timer: Timer) -> float:
+    """bf16 flops per second of an 8192^3 matrix product on random data."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = timer(lambda: a @ b, repeats=10, flush=False)
+    return 2 * 8192 ** 3 / (ms * 1e-3)
+
+
+def routing_for(config: MoEConfig, tokens: int, generator: torch.Generator):
+    logits = torch.randn(tokens, config.num_experts, generator=generator, device="cuda")
+    topk = torch.topk(torch.softmax(logits, dim=-1), config.top_k, dim=-1)
+    return logits, topk.values.float().contiguous(), topk.indices.to(torch.int32).contiguous()
+
+
+class TorchReference:
+    """Dequantised bf16 experts, multiplied in a loop (and with torch._grouped_mm)."""
+
+    def __init__(self, config: MoEConfig):
+        e, h, i = config.num_experts, config.hidden_size, config.intermediate_size
+        self.w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16) / h ** 0.5
+        self.w2 = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16) / i ** 0.5
+        self.intermediate = i
+
+    def prepare(self, hidden: torch.Tensor, topk_ids: torch.Tensor):
+        flat = topk_ids.reshape(-1).long()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.w13.shape[0])
+        self.rows = (order // topk_ids.shape[1])
+        self.counts = counts.cpu().tolist()
+        self.offsets = torch.cumsum(counts, 0).to(torch.int32)
+        self.x = hidden[self.rows].contiguous()
+
+    def loop(self):
+        start = 0
+        for expert, count in enumerate(self.counts):
+            if count:
+                x = self.x[start:start + count]
+                gate_up = x @ self.w13[expert].T
+                y = torch.nn.functional.silu(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:]
+                y @ self.w2[expert].T
+                start += count
+
+    def grouped_mm(self):
+        gate_up = torch._grouped_mm(self.x, self.w13.transpose(-2, -1), offs=self.offsets)
+        y = torch.nn.functional.silu(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:]
+        torch._grouped_mm(y, self.w2.transpose(-2, -1), offs=self.offsets)
+
+
+def weight_bytes(layer: MoELayer, touched: int) -> int:
+    per_expert = (layer.weights.w13.nbytes() + layer.weights.w2.nbytes()) / layer.config.num_local_experts
+    return int(per_expert * touched)
+
+
+def bench_row(timer, layer, reference, tokens, generator, bandwidth, rate) -> dict:
+    config = layer.config
+    hidden = (torch.randn(tokens, config.hidden_size, generator=generator, device="cuda")).to(torch.bfloat16)
+    logits, topk_weights, topk_ids = routing_for(config, tokens, generator)
+    prepared = prepare(config, layer.weights, layer.workspace, hidden, topk=(topk_weights, topk_ids), check_ids=False)
+    buffers, backend, slots = prepared.buffers, prepared.backend, topk_ids.numel()
+    alignment = (buffers.sorted_token_ids, buffers.expert_ids, buffers.num_tokens_post_padded)
+
+    def gemms():
+        grouped_gemm(hidden, layer.weights.w13, *alignment, num_slots=slots, tile=backend.gemm1, out=buffers.gemm1_out)
+        grouped_gemm(buffers.intermediate, layer.weights.w2, *alignment, num_slots=slots, tile=backend.gemm2,
+                     out=buffers.gemm2_out)
+
+    gemm_ms = timer(gemms)
+    layer(hidden, logits)  # warm-up outside capture: compiles every kernel of this backend
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer(hidden, logits)
+    layer_ms = timer(graph.replay)
+
+    touched = int(torch.unique(topk_ids).numel())
+    flops = 2 * slots * (config.gate_up_size * config.hidden_size + config.hidden_size * config.intermediate_size)
+    floor_ms = max(weight_bytes(layer, touched) / bandwidth, flops / rate) * 1e3
+    reference.prepare(hidden, topk_ids)
+    torch_ms = timer(reference.loop, repeats=10)
+    try:
+        grouped_mm_ms = timer(reference.grouped_mm, repeats=10)
+    except (RuntimeError, AttributeError) as error:
+        grouped_mm_ms = None
+        print(f"  torch._grouped_mm unavailable: {str(error).splitlines()[0]}")
+    row = dict(M=tokens, experts_touched=touched, gemm_ms=gemm_ms, layer_ms=layer_ms, floor_ms=floor_ms,
+               fraction_of_floor=floor_ms / gemm_ms, layer_over_gemm=layer_ms / gemm_ms, torch_ms=torch_ms,
+               grouped_mm_ms=grouped_mm_ms, backend=repr(backend))
+    if tokens == 1:
+        row.update(eager_host(layer, hidden, logits, timer))
+    return row
+
+
+def eager_host(layer, hidden, logits, timer) -> dict:
+    """The eager layer: wall time per forward from Python, and per kernel launch."""
+    for _ in range(5):
+        layer(hidden, logits)
+    torch.cuda.synchronize()
+    repeats = 100
+    start = time.perf_counter()
+    for _ in range(repeats):
+        layer(hidden, logits)
+    torch.cuda.synchronize()
+    eager_ms = (time.perf_counter() - start) * 1e3 / repeats
+    launches = 6  # route, align, gemm1, activation, gemm2, combine
+    return dict(eager_layer_ms=eager_ms, host_us_per_launch=eager_ms * 1e3 / launches)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
+    parser.add_argument("--json", default="bench_moe.json", help="where to write the rows")
+    args = parser.parse_args(argv)
+
+    timer = Timer()
+    bandwidth, rate = copy_bandwidth(timer), matmul_rate(timer)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    header = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=commit,
+                  copy_bandwidth_TBps=bandwidth / 1e12, bf16_matmul_TFLOPs=rate / 1e12)
+    print(json.dumps(header))
+    print(REFERENCE_FIGURES)
+    rows = []
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    for shape in args.shapes:
+        reference = TorchReference(MoEConfig(**SHAPES[shape]))
+        for format_name in args.formats:
+            config = MoEConfig(**SHAPES[shape], quant=FORMATS[format_name])
+            layer = MoELayer(config, max_tokens=max(args.tokens))
+            layer.weights.fill_random(seed=1)
+            for tokens in args.tokens:
+                row = dict(shape=shape, format=format_name, **bench_row(timer, layer, reference, tokens, generator,
+                                                                        bandwidth, rate))
+                rows.append(row)
+                print(f"{shape:9s} {format_name:11s} M={tokens:5d} touched={row['experts_touched']:3d} "
+                      f"gemm {row['gemm_ms']:.4f} ms  layer {row['layer_ms']:.4f} ms  floor {row['floor_ms']:.4f} ms "
+                      f"({row['fraction_of_floor']:.2f})  torch {row['torch_ms']:.4f} ms  grouped_mm "
+                      f"{row['grouped_mm_ms'] or float('nan'):.4f} ms"
+                      + (f"  eager {row['eager_layer_ms']:.3f} ms ({row['host_us_per_launch']:.0f} us/launch)"
+                         if tokens == 1 else ""), flush=True)
+            del layer
+            torch.cuda.empty_cache()
+        del reference
+        torch.cuda.empty_cache()
+    with open(args.json, "w") as f:
+        json.dump(dict(header, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

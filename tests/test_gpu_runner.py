@@ -1,0 +1,115 @@
+"""The runner on the real GPU: no allocation per forward after warm-up, CUDA-graph capture
+and replay with new inputs, bounded memory while converting checkpoints, correct results on
+two streams at once, and DLPack inputs from CuPy and JAX."""
+
+import numpy as np
+import pytest
+import torch
+
+from moe import MoEConfig, MoELayer, QuantScheme
+from moe.reference import random_checkpoint, reference_moe
+
+pytestmark = pytest.mark.gpu
+
+SMALL = dict(num_experts=16, top_k=4, hidden_size=512, intermediate_size=256)
+
+
+def _inputs(config, tokens, seed):
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    hidden = torch.randn(tokens, config.hidden_size, generator=generator, device="cuda").to(torch.bfloat16)
+    logits = torch.randn(tokens, config.num_experts, generator=generator, device="cuda")
+    return hidden, logits
+
+
+@pytest.fixture(scope="module")
+def layer():
+    config = MoEConfig(**SMALL, quant=QuantScheme("gptq", group_size=128))
+    checkpoint = random_checkpoint(config, np.random.default_rng(0))
+    layer = MoELayer(config, max_tokens=64)
+    layer.load_weights(checkpoint.w1, checkpoint.w2, checkpoint.w3)
+    layer.checkpoint = checkpoint
+    return layer
+
+
+def _reference(layer, hidden, logits):
+    return reference_moe(layer.config, hidden.float().cpu().numpy(), layer.checkpoint.dense_w13,
+                         layer.checkpoint.dense_w2, router_logits=logits.cpu().numpy())
+
+
+def _error(got, expected):
+    return np.linalg.norm(got.float().cpu().numpy() - expected) / np.linalg.norm(expected)
+
+
+def test_forward_allocates_no_device_memory_after_warm_up(layer):
+    hidden, logits = _inputs(layer.config, 16, 0)
+    layer(hidden, logits)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    for _ in range(3):
+        layer(hidden, logits)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+
+
+@pytest.mark.parametrize("tokens", [1, 48])
+def test_cuda_graph_replays_with_new_inputs(layer, tokens):
+    hidden, logits = _inputs(layer.config, tokens, 1)
+    static_hidden, static_logits = hidden.clone(), logits.clone()
+    layer(static_hidden, static_logits)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = layer(static_hidden, static_logits)
+    for seed in (2, 3):
+        new_hidden, new_logits = _inputs(layer.config, tokens, seed)
+        static_hidden.copy_(new_hidden)
+        static_logits.copy_(new_logits)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _error(static_out, _reference(layer, new_hidden, new_logits)) < 2e-2
+
+
+def test_two_streams_compute_independently(layer):
+    config = layer.config
+    other = MoELayer(config, max_tokens=64)
+    other.weights = layer.weights
+    inputs = [_inputs(config, 32, seed) for seed in (4, 5)]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    outputs = []
+    for (hidden, logits), stream, module in zip(inputs, streams, (layer, other)):
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            outputs.append(module(hidden, logits))
+    torch.cuda.synchronize()
+    for (hidden, logits), out in zip(inputs, outputs):
+        assert _error(out, _reference(layer, hidden, logits)) < 2e-2
+
+
+def test_checkpoint_conversion_needs_about_one_expert_of_extra_memory():
+    config = MoEConfig(num_experts=8, top_k=2, hidden_size=2048, intermediate_size=768,
+                       quant=QuantScheme("gptq", group_size=128))
+    checkpoint = random_checkpoint(config, np.random.default_rng(1))
+    layer = MoELayer(config, max_tokens=16)
+    torch.cuda.synchronize()
+    resident = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    layer.load_weights(checkpoint.w1, checkpoint.w2, checkpoint.w3)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - resident
+    one_expert = sum(np.asarray(w[name][0]).nbytes for w in (checkpoint.w1, checkpoint.w2, checkpoint.w3) for name in w)
+    print(f"conversion peak: {extra / 1e6:.2f} MB over the kernel buffers; one checkpoint expert {one_expert / 1e6:.2f} MB")
+    assert extra <= 2 * one_expert + (1 << 20)
+    assert torch.cuda.memory_allocated() == resident  # no pre-conversion tensor stays alive
+
+
+def test_dlpack_inputs_from_cupy_and_jax(layer):
+    hidden, logits = _inputs(layer.config, 8, 6)
+    expected = _reference(layer, hidden, logits)
+    cupy = pytest.importorskip("cupy")
+    out = layer(cupy.from_dlpack(hidden), cupy.from_dlpack(logits))
+    assert _error(out, expected) < 2e-2
+    jax = pytest.importorskip("jax")
+    jax_hidden = jax.dlpack.from_dlpack(hidden)
+    jax_logits = jax.dlpack.from_dlpack(logits)
+    out = layer(jax_hidden, jax_logits)
+    assert _error(out, expected) < 2e-2
