@@ -27,11 +27,10 @@ import statistics
 import subprocess
 import time
 
-import numpy as np
 import torch
 
 import numba_kernels  # noqa: F401  (before numba: no simulator on a GPU machine)
-from moe import MoEConfig, MoELayer, QuantScheme, prepare, run
+from moe import MoEConfig, MoELayer, QuantScheme, prepare
 from numba_kernels.gemm import grouped_gemm
 
 SHAPES = {"qwen3": dict(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768),
