@@ -4,8 +4,9 @@ For each shape (Qwen3-30B-A3B, Mixtral-8x7B, a DeepSeek-V3 layer), format (int4 
 in the kernel layout, NVFP4) and token count M, it times with CUDA events, after warm-up,
 with the L2 cache flushed before every run, the median of many runs of:
 
-* gemm_ms:  the two grouped GEMMs (routing and alignment done beforehand);
-* layer_ms: the whole layer (routing to combine) replayed from a CUDA graph;
+* gemm_ms:  the two grouped GEMMs (routing and alignment done beforehand), replayed from
+            a CUDA graph;
+* layer_ms: the whole layer (routing to combine), replayed from a CUDA graph;
 * torch_ms: the torch reference, dequantised bf16 experts multiplied in a loop over experts;
 * grouped_mm_ms: torch._grouped_mm on bf16 experts (CUTLASS tensor cores), for comparison;
 
@@ -124,6 +125,17 @@ class TorchReference:
         torch._grouped_mm(y, self.w2.transpose(-2, -1), offs=self.offsets)
 
 
+def captured(fn):
+    """`fn` captured in a CUDA graph after a warm-up call (which compiles its kernels):
+    replays show GPU time, not Python's launch overhead."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def weight_bytes(layer: MoELayer, touched: int) -> int:
     per_expert = (layer.weights.w13.nbytes() + layer.weights.w2.nbytes()) / layer.config.num_local_experts
     return int(per_expert * touched)
@@ -142,13 +154,8 @@ def bench_row(timer, layer, reference, tokens, generator, bandwidth, rate) -> di
         grouped_gemm(buffers.intermediate, layer.weights.w2, *alignment, num_slots=slots, tile=backend.gemm2,
                      out=buffers.gemm2_out)
 
-    gemm_ms = timer(gemms)
-    layer(hidden, logits)  # warm-up outside capture: compiles every kernel of this backend
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        layer(hidden, logits)
-    layer_ms = timer(graph.replay)
+    gemm_ms = timer(captured(gemms))
+    layer_ms = timer(captured(lambda: layer(hidden, logits)))
 
     touched = int(torch.unique(topk_ids).numel())
     flops = 2 * slots * (config.gate_up_size * config.hidden_size + config.hidden_size * config.intermediate_size)
@@ -216,12 +223,12 @@ def main(argv=None) -> None:
                       f"{row['grouped_mm_ms'] or float('nan'):.4f} ms"
                       + (f"  eager {row['eager_layer_ms']:.3f} ms ({row['host_us_per_launch']:.0f} us/launch)"
                          if tokens == 1 else ""), flush=True)
+                with open(args.json, "w") as f:  # after every row: a timed-out run keeps its rows
+                    json.dump(dict(header, rows=rows), f, indent=1)
             del layer
             torch.cuda.empty_cache()
         del reference
         torch.cuda.empty_cache()
-    with open(args.json, "w") as f:
-        json.dump(dict(header, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

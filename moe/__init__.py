@@ -10,6 +10,7 @@ kernel layout, and a backend oracle.
     out = layer(hidden_states, router_logits)          # (M, H)
 """
 
+from .batched import BatchedWorkspace, batched_moe
 from .config import MoEConfig, QuantScheme
 from .hooks import GemmStep, MoEHooks
 from .layer import MoELayer
@@ -20,7 +21,7 @@ from .weights import ExpertWeights, process_weights_after_loading
 from .workspace import Workspace, WorkspaceTooSmall
 
 __all__ = [
-    "Backend", "ExpertWeights", "GemmStep", "LoRAAdapter", "LoRAHooks", "MoEConfig", "MoEHooks", "MoELayer",
-    "QuantScheme", "Workspace", "WorkspaceTooSmall", "build_backend", "fused_moe", "prepare",
+    "Backend", "BatchedWorkspace", "ExpertWeights", "GemmStep", "LoRAAdapter", "LoRAHooks", "MoEConfig", "MoEHooks", "MoELayer",
+    "QuantScheme", "Workspace", "WorkspaceTooSmall", "batched_moe", "build_backend", "fused_moe", "prepare",
     "process_weights_after_loading", "run", "select_backend",
 ]

@@ -8,11 +8,11 @@ back to a heuristic:
 * decode (few tokens per expert): one 16-row block per expert, A fragments straight from
   global memory, 4 warps splitting K, 4 slabs in flight each, and a K split across CTAs
   large enough that the grid fills every multiprocessor twice;
-* prefill: blocks of 64 or 128 slots, activations staged in shared memory and reused by
-  2 x 2 warps, no K split.
+* prefill: blocks of 64 or 128 slots, activations staged in shared memory (double
+  buffered, 16-byte loads) and reused by (block / 32) x 2 warps, no K split.
 
-The batched variant (tokens laid out expert by expert, as expert parallelism ships them)
-uses the same tiles with its block size chosen from the expected tokens per expert.
+The batched layout (tokens laid out expert by expert, as expert parallelism ships them;
+`moe.batched`) uses the same tiles, chosen from the expected tokens per expert.
 """
 
 from __future__ import annotations
@@ -84,7 +84,9 @@ def _decode_tile(config: MoEConfig, num_tokens: int, n: int, k: int) -> GemmTile
 
 
 def _prefill_tile(block_m: int) -> GemmTile:
-    return GemmTile(block_m=block_m, warps_m=2, warps_n=2, warps_k=1, slabs_per_warp=2, a_in_shared=True)
+    """Two 16-row m tiles per warp (four spill registers), 2 x 64 features, 64 input
+    features per stage."""
+    return GemmTile(block_m=block_m, warps_m=block_m // 32, warps_n=2, warps_k=1, slabs_per_warp=4, a_in_shared=True)
 
 
 def heuristic_backend(config: MoEConfig, num_tokens: int) -> Backend:
@@ -129,6 +131,15 @@ def select_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec) -> Backe
     return heuristic_backend(config, num_tokens)
 
 
+def select_batched_backend(config: MoEConfig, tokens_per_expert: int, spec: QuantSpec) -> Backend:
+    """The backend of the batched layout: that of a routed call whose slots spread to
+    `tokens_per_expert` per local expert (the block size follows the tokens per expert)."""
+    if tokens_per_expert < 1:
+        raise ValueError(f"tokens_per_expert must be positive, got {tokens_per_expert}")
+    equivalent = -(-tokens_per_expert * config.num_local_experts // config.top_k)
+    return select_backend(config, equivalent, spec)
+
+
 def token_buckets(max_tokens: int) -> list[int]:
     """Token counts whose backends a workspace must fit: powers of two up to max_tokens,
     and max_tokens itself."""
@@ -154,6 +165,11 @@ def build_backend(config: MoEConfig, backend: Backend, spec1: QuantSpec, spec2: 
     and gemm2 weights in `spec2`."""
     h, i, n1 = config.hidden_size, config.intermediate_size, config.gate_up_size
     half = config.dtype
-    gemm1 = make_grouped_gemm(spec1, n1, h, backend.gemm1, half, backend.gemm1.split_k > 1, False)
-    gemm2 = make_grouped_gemm(spec2, h, i, backend.gemm2, half, backend.gemm2.split_k > 1, False)
+
+    def build(spec, n, k, tile):
+        pair_loads = k % 2 == 0 and not spec.sort_k_by_group
+        return make_grouped_gemm(spec, n, k, tile, half, tile.split_k > 1, False, pair_loads,
+                                 tile.a_in_shared and pair_loads and k % 8 == 0)
+
+    gemm1, gemm2 = build(spec1, n1, h, backend.gemm1), build(spec2, h, i, backend.gemm2)
     return BuiltBackend(backend, gemm1, gemm2, fast_path_supported(spec1, half) and fast_path_supported(spec2, half))

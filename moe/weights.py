@@ -21,6 +21,7 @@ from typing import Iterable, Mapping
 import numpy as np
 import torch
 
+from layouts import QuantSpec
 from numba_kernels import interop
 from numba_kernels.repack import destination_tensors, repack
 from numba_kernels.weights import KernelWeights
@@ -39,6 +40,12 @@ def _to_tensor(value) -> torch.Tensor:
     return interop.as_tensor(value, "checkpoint tensor")
 
 
+def kernel_spec(config: MoEConfig) -> QuantSpec:
+    """The layout the kernels read `config`'s weights in: the kernel-native layout where the
+    format has one, else the checkpoint's own (read through its index maps)."""
+    return config.quant.native_spec(config.dtype) or config.quant.checkpoint_spec(config.dtype)
+
+
 class ExpertWeights:
     """The layer's w13 and w2 in the layout the kernels read, preallocated for the local
     experts; `load_expert` / `load` fill them from checkpoint tensors."""
@@ -46,7 +53,7 @@ class ExpertWeights:
     def __init__(self, config: MoEConfig):
         self.config = config
         self.checkpoint_spec = config.quant.checkpoint_spec(config.dtype)
-        self.spec = config.quant.native_spec(config.dtype) or self.checkpoint_spec
+        self.spec = kernel_spec(config)
         experts, h, i = config.num_local_experts, config.hidden_size, config.intermediate_size
         self.w13_shape = (experts, config.gate_up_size, h)
         self.w2_shape = (experts, h, i)

@@ -40,9 +40,17 @@ class CallBuffers:
     output: torch.Tensor  # (M, H) half
 
 
-def _gemm_out_elements(backend_split: int, slots: int, width: int) -> int:
+def gemm_out_elements(backend_split: int, slots: int, width: int) -> int:
     """float32 elements of a GEMM output: partials per split, or half values (2 per float)."""
     return backend_split * slots * width if backend_split > 1 else -(-slots * width // 2)
+
+
+def gemm_view(buffer: torch.Tensor, split: int, slots: int, width: int, half: torch.dtype) -> torch.Tensor:
+    """A GEMM output inside a float32 buffer: (split, slots, width) float32 partials, or
+    (slots, width) half values when K is not split."""
+    if split > 1:
+        return buffer[:split * slots * width].view(split, slots, width)
+    return buffer.view(half)[:slots * width].view(slots, width)
 
 
 class Workspace:
@@ -63,8 +71,8 @@ class Workspace:
         slots = max_tokens * config.top_k
         sizes = [align_sizes(slots, config.num_experts, b.block_m) for b in backends]
         half = getattr(torch, config.dtype)
-        gemm1 = max(_gemm_out_elements(b.gemm1.split_k, slots, config.gate_up_size) for b in backends)
-        gemm2 = max(_gemm_out_elements(b.gemm2.split_k, slots, config.hidden_size) for b in backends)
+        gemm1 = max(gemm_out_elements(b.gemm1.split_k, slots, config.gate_up_size) for b in backends)
+        gemm2 = max(gemm_out_elements(b.gemm2.split_k, slots, config.hidden_size) for b in backends)
         device = interop.kernel_device()
         self.max_tokens = max_tokens
         self._topk_weights = torch.empty((max_tokens, config.top_k), dtype=torch.float32, device=device)
@@ -97,18 +105,12 @@ class Workspace:
         slots = num_tokens * config.top_k
         padded, blocks = align_sizes(slots, config.num_experts, backend.block_m)
         half = getattr(torch, config.dtype)
-
-        def gemm_view(buffer, split, width):
-            if split > 1:
-                return buffer[:split * slots * width].view(split, slots, width)
-            return buffer.view(half)[:slots * width].view(slots, width)
-
         return CallBuffers(
             topk_weights=self._topk_weights[:num_tokens], topk_ids=self._topk_ids[:num_tokens],
             sorted_token_ids=self._sorted_ids[:padded], expert_ids=self._expert_ids[:blocks],
             num_tokens_post_padded=self._num_post_padded,
-            gemm1_out=gemm_view(self._gemm1, backend.gemm1.split_k, config.gate_up_size),
+            gemm1_out=gemm_view(self._gemm1, backend.gemm1.split_k, slots, config.gate_up_size, half),
             intermediate=self._intermediate[:slots],
-            gemm2_out=gemm_view(self._gemm2, backend.gemm2.split_k, config.hidden_size),
+            gemm2_out=gemm_view(self._gemm2, backend.gemm2.split_k, slots, config.hidden_size, half),
             output=self._output[:num_tokens],
         )

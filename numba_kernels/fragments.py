@@ -80,8 +80,10 @@ def marlin_tile_bits(spec: QuantSpec) -> int | None:
     if len(steps) != 4:
         return None
     bits = spec.code.bits
+    if bits not in (4, 8):
+        return None
     expected = (Transpose(), Tile(16, 16), Permute(marlin_weight_perm(bits)), BitPack(bits, axis=-1))
-    return bits if steps == expected and bits in (4, 8) else None
+    return bits if steps == expected else None
 
 
 def fast_path_supported(spec: QuantSpec, half: str) -> bool:

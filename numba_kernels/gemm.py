@@ -103,9 +103,14 @@ class GemmTile:
 
 @functools.cache
 def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str, partial_output: bool,
-                      mul_routed_weight: bool):
+                      mul_routed_weight: bool, pair_loads: bool = False, vector_a: bool = False):
     """The grouped GEMM for weights stored as `spec` (logical (n, k) per expert), `half`
-    activations, `tile`; float32 partials or `half` outputs."""
+    activations, `tile`; float32 partials or `half` outputs.
+
+    The kernel takes activations as a 3-D (1, rows, cols) array: int32 half pairs
+    (cols = K / 2) with `pair_loads`, else int16 halves (cols = K; odd K, or K sorted by
+    act-order groups, which gathers each element). `vector_a` stages prefill activations
+    with 16-byte loads (pairs, K a multiple of 8, rows 16-byte aligned)."""
     reader = fragment_reader(spec, n, k, half)
     group_of_slab, column_params, fetch, decode = reader.group_of_slab, reader.column_params, reader.fetch, reader.decode
     mma, to_half = ptx.mma(half), ptx.to_half(half)
@@ -115,35 +120,37 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     warp_rows = block_m // tile.warps_m
     m_tiles = warp_rows // 16
     teams = warps_n * tile.warps_m  # warps that own distinct output tiles
-    stage_words = stage_slabs * SLAB_K // 2  # half pairs per activation row per stage
-    row_words = stage_words + 4
     total_slabs = -(-k // SLAB_K)
     slabs_per_split = -(-total_slabs // tile.split_k)
     if a_in_shared:  # splits start on stage boundaries
         slabs_per_split = -(-slabs_per_split // stage_slabs) * stage_slabs
     size_n, size_k = n, k
+    n_chunks = -(-n // CHUNK_N)
     raw_words = reader.raw_words
     reduce_warps = max(warps_k - 1, 1)
     reduce_values = m_tiles * 8 * 4 * 32 if warps_k > 1 else 1  # accumulators of one warp
+    # Prefill staging: a stage is stage_words half pairs per row, moved in units of
+    # unit_words words (4: one 16-byte load) by every thread, through registers.
+    stage_words = stage_slabs * SLAB_K // 2
+    row_words = stage_words + 4  # padding: fragment reads of 8 rows x 4 words hit 32 banks
+    unit_words = 4 if vector_a else 1
+    units_per_row = stage_words // unit_words
+    stage_units = block_m * units_per_row
+    units_per_thread = -(-stage_units // threads) if a_in_shared else 1
     shared_rows = block_m if a_in_shared else 1
 
     @ptx.device
     def activation_pair(act, k_order, expert, row, kp):
         """Half pair act[row, k(kp)], act[row, k(kp + 1)] (zero past K or for padding rows)."""
         pair = uint32(0)
-        if row >= 0:
-            if kp < size_k:
-                pair = uint32(act[row, stored_k(k_order, expert, kp)]) & uint32(0xFFFF)
-            if kp + 1 < size_k:
-                pair |= uint32(act[row, stored_k(k_order, expert, kp + 1)]) << uint32(16)
+        if row >= 0 and kp < size_k:
+            if pair_loads:
+                pair = uint32(act[0, row, kp // 2])
+            else:
+                pair = uint32(act[0, row, stored_k(k_order, expert, kp)]) & uint32(0xFFFF)
+                if kp + 1 < size_k:
+                    pair |= uint32(act[0, row, stored_k(k_order, expert, kp + 1)]) << uint32(16)
         return pair
-
-    @ptx.device
-    def fetch_slabs(weights, expert, first_slab, step, end_slab, chunk, lane, raw):
-        for d in range(depth):
-            slab = first_slab + d * step
-            if slab < end_slab:
-                fetch(weights, expert, slab, chunk, lane, raw[d])
 
     @ptx.device
     def multiply_slab(weights, expert, slab, chunk, lane, raw_slab, params, frags, group, a_words, acc):
@@ -159,32 +166,68 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                     acc[mt, nt, 0], acc[mt, nt, 1], acc[mt, nt, 2], acc[mt, nt, 3])
         return slab_group
 
-    @ptx.device
-    def global_a_slabs(act, weights, expert, first_slab, step, end_slab, chunk, lane, raw, params, frags, group,
-                       rows, a_words, acc):
-        t = lane % 4
-        for d in range(depth):
-            slab = first_slab + d * step
-            if slab < end_slab:
-                kp = slab * SLAB_K + 2 * t
-                for mt in range(m_tiles):
-                    a_words[mt, 0] = activation_pair(act, weights[4], expert, rows[mt, 0], kp)
-                    a_words[mt, 1] = activation_pair(act, weights[4], expert, rows[mt, 1], kp)
-                    a_words[mt, 2] = activation_pair(act, weights[4], expert, rows[mt, 0], kp + 8)
-                    a_words[mt, 3] = activation_pair(act, weights[4], expert, rows[mt, 1], kp + 8)
-                group = multiply_slab(weights, expert, slab, chunk, lane, raw[d], params, frags, group, a_words, acc)
-        return group
+    # -- decode: A words fetched with the weights, straight from global memory -------------------
 
     @ptx.device
-    def stage_activations(act, weights, expert, stage_start, slots, num_slots, rows_div, a_tile):
-        cuda.syncthreads()  # the previous stage's activations are consumed
-        for idx in range(cuda.threadIdx.x, block_m * stage_words, threads):
-            m, word = idx // stage_words, idx % stage_words
-            row = int32(-1)
-            if slots[m] < num_slots:
-                row = slots[m] // rows_div
-            a_tile[m, word] = activation_pair(act, weights[4], expert, row, stage_start * SLAB_K + 2 * word)
-        cuda.syncthreads()
+    def fetch_batch(act, weights, expert, first_slab, end_slab, chunk, lane, rows, raw, a_raw):
+        """Issue the loads of `depth` slabs (first_slab + d * warps_k): weight and A words."""
+        t = lane % 4
+        for d in range(depth):
+            slab = first_slab + d * warps_k
+            if slab < end_slab:
+                fetch(weights, expert, slab, chunk, lane, raw[d])
+                kp = slab * SLAB_K + 2 * t
+                for mt in range(m_tiles):
+                    a_raw[d, mt, 0] = activation_pair(act, weights[4], expert, rows[mt, 0], kp)
+                    a_raw[d, mt, 1] = activation_pair(act, weights[4], expert, rows[mt, 1], kp)
+                    a_raw[d, mt, 2] = activation_pair(act, weights[4], expert, rows[mt, 0], kp + 8)
+                    a_raw[d, mt, 3] = activation_pair(act, weights[4], expert, rows[mt, 1], kp + 8)
+
+    @ptx.device
+    def multiply_batch(weights, expert, first_slab, end_slab, chunk, lane, raw, a_raw, params, frags, group, acc):
+        for d in range(depth):
+            slab = first_slab + d * warps_k
+            if slab < end_slab:
+                group = multiply_slab(weights, expert, slab, chunk, lane, raw[d], params, frags, group, a_raw[d], acc)
+        return group
+
+    # -- prefill: activations staged through shared memory, double-buffered ---------------------
+
+    @ptx.device
+    def fetch_stage_weights(weights, expert, stage_start, end_slab, warp_k, chunk, lane, raw):
+        for d in range(depth):
+            slab = stage_start + warp_k * depth + d
+            if slab < end_slab:
+                fetch(weights, expert, slab, chunk, lane, raw[d])
+
+    @ptx.device
+    def load_stage(act, weights, expert, stage_start, slots, num_slots, rows_div, a_regs):
+        """This thread's share of a stage's activations, into registers (global loads only)."""
+        for u in range(units_per_thread):
+            unit = cuda.threadIdx.x + u * threads
+            if unit < stage_units:
+                m, c = unit // units_per_row, unit % units_per_row
+                row = int32(-1)
+                if slots[m] < num_slots:
+                    row = slots[m] // rows_div
+                kp = stage_start * SLAB_K + 2 * c * unit_words
+                if vector_a:
+                    if row >= 0 and kp < size_k:
+                        a_regs[u, 0], a_regs[u, 1], a_regs[u, 2], a_regs[u, 3] = ptx.load_u32x4(act, 0, row, kp // 2)
+                    else:
+                        for w in range(unit_words):
+                            a_regs[u, w] = uint32(0)
+                else:
+                    a_regs[u, 0] = activation_pair(act, weights[4], expert, row, kp)
+
+    @ptx.device
+    def store_stage(a_regs, a_tile):
+        for u in range(units_per_thread):
+            unit = cuda.threadIdx.x + u * threads
+            if unit < stage_units:
+                m, c = unit // units_per_row, unit % units_per_row
+                for w in range(unit_words):
+                    a_tile[m, c * unit_words + w] = a_regs[u, w]
 
     @ptx.device
     def shared_a_slabs(weights, expert, stage_start, end_slab, warp_k, first_row, chunk, lane, raw, params, frags,
@@ -200,6 +243,25 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                     a_words[mt, 0], a_words[mt, 1] = a_tile[row, column], a_tile[row + 8, column]
                     a_words[mt, 2], a_words[mt, 3] = a_tile[row, column + 4], a_tile[row + 8, column + 4]
                 group = multiply_slab(weights, expert, slab, chunk, lane, raw[d], params, frags, group, a_words, acc)
+        return group
+
+    @ptx.device
+    def prefill_step(act, weights, expert, stage, end_slab, weight_end, warp_k, first_row, chunk, lane, slots,
+                     num_slots, rows_div, raw_now, raw_next, tile_now, tile_next, a_regs, params, frags, group,
+                     a_words, acc):
+        """Multiply `stage` (weights in raw_now, activations in tile_now) while the next
+        stage's loads are in flight (into raw_next and registers), then store those
+        activations to tile_next. Two buffers of each, swapped by the caller."""
+        following = stage + stage_slabs
+        more = following < end_slab
+        if more:
+            load_stage(act, weights, expert, following, slots, num_slots, rows_div, a_regs)
+            fetch_stage_weights(weights, expert, following, weight_end, warp_k, chunk, lane, raw_next)
+        group = shared_a_slabs(weights, expert, stage, weight_end, warp_k, first_row, chunk, lane, raw_now, params,
+                               frags, group, tile_now, a_words, acc)
+        if more:
+            store_stage(a_regs, tile_next)
+        cuda.syncthreads()
         return group
 
     @ptx.kernel
@@ -235,47 +297,54 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
 
         start_slab = split * slabs_per_split
         end_slab = min(start_slab + slabs_per_split, total_slabs)
+        # Warps past the last column chunk (N < warps_n chunks) still stage activations.
+        weight_end = end_slab if chunk < n_chunks else start_slab
         if expert >= 0 and start_slab < end_slab:
             raw_a = cuda.local.array((depth, raw_words), uint32)
             raw_b = cuda.local.array((depth, raw_words), uint32)
             params = cuda.local.array(16, uint32)
             frags = cuda.local.array(16, uint32)
-            a_words = cuda.local.array((m_tiles, 4), uint32)
             group = int32(-1)
             if a_in_shared:
-                a_tile = cuda.shared.array((shared_rows, row_words), uint32)
+                a_tiles = cuda.shared.array((2, shared_rows, row_words), uint32)
+                a_regs = cuda.local.array((units_per_thread, unit_words), uint32)
+                a_words = cuda.local.array((m_tiles, 4), uint32)
                 stage_a = start_slab
-                fetch_slabs(weights, expert, stage_a + wk * depth, 1, end_slab, chunk, lane, raw_a)
+                load_stage(act, weights, expert, stage_a, slots, num_slots, rows_div, a_regs)
+                fetch_stage_weights(weights, expert, stage_a, weight_end, wk, chunk, lane, raw_a)
+                store_stage(a_regs, a_tiles[0])
+                cuda.syncthreads()
                 while stage_a < end_slab:
+                    group = prefill_step(act, weights, expert, stage_a, end_slab, weight_end, wk, first_row, chunk,
+                                         lane, slots, num_slots, rows_div, raw_a, raw_b, a_tiles[0], a_tiles[1],
+                                         a_regs, params, frags, group, a_words, acc)
                     stage_b = stage_a + stage_slabs
-                    fetch_slabs(weights, expert, stage_b + wk * depth, 1, end_slab, chunk, lane, raw_b)
-                    stage_activations(act, weights, expert, stage_a, slots, num_slots, rows_div, a_tile)
-                    group = shared_a_slabs(weights, expert, stage_a, end_slab, wk, first_row, chunk, lane, raw_a,
-                                           params, frags, group, a_tile, a_words, acc)
+                    if stage_b >= end_slab:
+                        break
+                    group = prefill_step(act, weights, expert, stage_b, end_slab, weight_end, wk, first_row, chunk,
+                                         lane, slots, num_slots, rows_div, raw_b, raw_a, a_tiles[1], a_tiles[0],
+                                         a_regs, params, frags, group, a_words, acc)
                     stage_a = stage_b + stage_slabs
-                    fetch_slabs(weights, expert, stage_a + wk * depth, 1, end_slab, chunk, lane, raw_a)
-                    if stage_b < end_slab:
-                        stage_activations(act, weights, expert, stage_b, slots, num_slots, rows_div, a_tile)
-                        group = shared_a_slabs(weights, expert, stage_b, end_slab, wk, first_row, chunk, lane,
-                                               raw_b, params, frags, group, a_tile, a_words, acc)
             else:
                 rows = cuda.local.array((m_tiles, 2), int32)
                 for mt in range(m_tiles):
                     for half_rows in range(2):
                         slot = slots[first_row + 16 * mt + g + 8 * half_rows]
                         rows[mt, half_rows] = slot // rows_div if slot < num_slots else -1
+                a_raw_a = cuda.local.array((depth, m_tiles, 4), uint32)
+                a_raw_b = cuda.local.array((depth, m_tiles, 4), uint32)
                 step = warps_k * depth
                 slab_a = start_slab + wk
-                fetch_slabs(weights, expert, slab_a, warps_k, end_slab, chunk, lane, raw_a)
-                while slab_a < end_slab:
+                fetch_batch(act, weights, expert, slab_a, weight_end, chunk, lane, rows, raw_a, a_raw_a)
+                while slab_a < weight_end:
                     slab_b = slab_a + step
-                    fetch_slabs(weights, expert, slab_b, warps_k, end_slab, chunk, lane, raw_b)
-                    group = global_a_slabs(act, weights, expert, slab_a, warps_k, end_slab, chunk, lane, raw_a,
-                                           params, frags, group, rows, a_words, acc)
+                    fetch_batch(act, weights, expert, slab_b, weight_end, chunk, lane, rows, raw_b, a_raw_b)
+                    group = multiply_batch(weights, expert, slab_a, weight_end, chunk, lane, raw_a, a_raw_a, params,
+                                           frags, group, acc)
                     slab_a = slab_b + step
-                    fetch_slabs(weights, expert, slab_a, warps_k, end_slab, chunk, lane, raw_a)
-                    group = global_a_slabs(act, weights, expert, slab_b, warps_k, end_slab, chunk, lane, raw_b,
-                                           params, frags, group, rows, a_words, acc)
+                    fetch_batch(act, weights, expert, slab_a, weight_end, chunk, lane, rows, raw_a, a_raw_a)
+                    group = multiply_batch(weights, expert, slab_b, weight_end, chunk, lane, raw_b, a_raw_b, params,
+                                           frags, group, acc)
 
         if warps_k > 1:
             partial = cuda.shared.array((reduce_warps, teams, reduce_values), float32)
@@ -312,6 +381,20 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                                         out[slot, col] = int16(to_half(value))
 
     return grouped_gemm
+
+
+def activation_layout(act: torch.Tensor, spec: QuantSpec, tile: GemmTile) -> tuple[bool, bool]:
+    """(pair_loads, vector_a) for `act`: how the kernel may read it (see make_grouped_gemm)."""
+    k = act.shape[1]
+    pair_loads = k % 2 == 0 and not spec.sort_k_by_group
+    vector_a = tile.a_in_shared and pair_loads and k % 8 == 0 and act.data_ptr() % 16 == 0
+    return pair_loads, vector_a
+
+
+def activation_array(act: torch.Tensor, pair_loads: bool):
+    """The kernel's 3-D view of `act`: (1, rows, K / 2) int32 pairs or (1, rows, K) halves."""
+    view = act.view(torch.int32) if pair_loads else act
+    return interop.to_kernel(view.unsqueeze(0))
 
 
 def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_tokens_post_padded, *,
@@ -358,10 +441,12 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
     if out is None:
         out = interop.empty(expected, torch.float32 if partial_output else act.dtype)
     out = interop.check_tensor("out", out, dtype=torch.float32 if partial_output else act.dtype, shape=expected)
-    kernel = make_grouped_gemm(weights.spec, n, k, tile, half, partial_output, topk_weights is not None)
+    pair_loads, vector_a = activation_layout(act, weights.spec, tile)
+    kernel = make_grouped_gemm(weights.spec, n, k, tile, half, partial_output, topk_weights is not None,
+                               pair_loads, vector_a)
     grid = tile.grid(expert_ids.shape[0], n)
     kernel[grid, tile.threads, interop.launch_stream()](
-        interop.to_kernel(act), weights.arrays(), interop.to_kernel(sorted_token_ids), interop.to_kernel(expert_ids),
+        activation_array(act, pair_loads), weights.arrays(), interop.to_kernel(sorted_token_ids), interop.to_kernel(expert_ids),
         interop.to_kernel(num_tokens_post_padded), interop.to_kernel(weights_flat), interop.to_kernel(out),
         np.int32(num_slots), np.int32(num_slots // act.shape[0]))
     return out

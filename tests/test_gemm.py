@@ -15,7 +15,8 @@ from numba_kernels.gemm import GemmTile, grouped_gemm, reference_grouped_gemm
 from numba_kernels.weights import KernelWeights
 
 DECODE = GemmTile(block_m=16, warps_k=2, slabs_per_warp=2)
-PREFILL = GemmTile(block_m=32, warps_m=2, warps_n=1, warps_k=1, slabs_per_warp=2, a_in_shared=True)
+PREFILL = GemmTile(block_m=32, warps_m=1, warps_n=2, warps_k=1, slabs_per_warp=2, a_in_shared=True)  # the oracle's shape
+PREFILL_SPLIT_K = GemmTile(block_m=16, warps_k=2, slabs_per_warp=1, a_in_shared=True, split_k=2)
 SPLIT = GemmTile(block_m=16, warps_k=1, slabs_per_warp=1, split_k=2)
 
 
@@ -76,14 +77,16 @@ GEMM_SPECS = [formats.native(4, 32), formats.native(4, 64, zero_points=True), fo
 @given(data=st.data())
 def test_grouped_gemm_matches_reference_for_any_spec_and_tile(data):
     experts = data.draw(st.integers(1, 3), label="experts")
-    n = data.draw(st.sampled_from([16, 64, 80]), label="n")
-    k = data.draw(st.sampled_from([32, 48, 64]), label="k")
-    spec = data.draw(st.sampled_from(GEMM_SPECS) | spec_for((experts, n, k)), label="spec")
+    named = data.draw(st.booleans(), label="named format")
+    # Random layouts go through the index maps, element by element: slow under the simulator.
+    n = data.draw(st.sampled_from([16, 64, 80] if named else [16]), label="n")
+    k = data.draw(st.sampled_from([32, 48, 64] if named else [32]), label="k")
+    spec = data.draw(st.sampled_from(GEMM_SPECS) if named else spec_for((experts, n, k)), label="spec")
     try:
         spec.check_shape((experts, n, k))
     except ValueError:
         return
-    tile = data.draw(st.sampled_from([DECODE, PREFILL, SPLIT]), label="tile")
+    tile = data.draw(st.sampled_from([DECODE, PREFILL, SPLIT, PREFILL_SPLIT_K]), label="tile")
     top_k = data.draw(st.integers(1, experts), label="top_k")
     tokens = data.draw(st.integers(1, 3), label="tokens")
     half = data.draw(st.sampled_from([torch.bfloat16, torch.float16]), label="half")

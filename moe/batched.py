@@ -1,0 +1,86 @@
+"""The batched (expert-major) MoE: tokens already grouped by expert, as expert parallelism's
+all-to-all dispatch delivers them (vLLM's batched experts, DeepEP's low-latency layout).
+
+Input (E, T, H): local expert e's rows 0 .. counts[e] - 1 are its tokens, the remaining
+rows padding. Output (E, T, H): each valid row through its expert's gated MLP, without
+routing weights (the combine after the return all-to-all applies them); padding rows hold
+unspecified (finite) values. The kernels are the routed path's: `batched_align` replaces routing
+and sorting, then the runner's `run` does gemm1 -> activation -> gemm2 -> combine with
+one slot per row (top_k = 1, weight 1), so the sequence is written once.
+
+    workspace = BatchedWorkspace(config, tokens_per_expert=128, spec=weights.spec)
+    out = batched_moe(x, counts, weights, config, workspace=workspace)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from numba_kernels import interop
+from numba_kernels.batched_align import batched_align, batched_sizes
+
+from .config import MoEConfig
+from .oracle import select_batched_backend
+from .runner import Prepared, run
+from .weights import ExpertWeights
+from .workspace import CallBuffers, gemm_out_elements, gemm_view
+
+
+class BatchedWorkspace:
+    """Every buffer of a batched call with up to `tokens_per_expert` rows per local expert.
+    `expected_tokens_per_expert` (default: all of them) picks the tiles, once."""
+
+    def __init__(self, config: MoEConfig, tokens_per_expert: int, spec, *, expected_tokens_per_expert: int | None = None):
+        if tokens_per_expert < 1:
+            raise ValueError(f"tokens_per_expert must be positive, got {tokens_per_expert}")
+        self.config, self.spec, self.tokens_per_expert = config, spec, tokens_per_expert
+        expected = tokens_per_expert if expected_tokens_per_expert is None else expected_tokens_per_expert
+        self.backend = select_batched_backend(config, expected, spec)
+        experts = config.num_local_experts
+        slots = experts * tokens_per_expert
+        length, blocks = batched_sizes(experts, tokens_per_expert, self.backend.block_m)
+        device, half = interop.kernel_device(), getattr(torch, config.dtype)
+
+        def empty(shape, dtype):  # zeros: padding rows are never written, and stay finite
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        gemm1 = empty(gemm_out_elements(self.backend.gemm1.split_k, slots, config.gate_up_size), torch.float32)
+        gemm2 = empty(gemm_out_elements(self.backend.gemm2.split_k, slots, config.hidden_size), torch.float32)
+        self.buffers = CallBuffers(
+            topk_weights=torch.ones((slots, 1), dtype=torch.float32, device=device),
+            topk_ids=torch.arange(experts, dtype=torch.int32, device=device).repeat_interleave(tokens_per_expert)[:, None],
+            sorted_token_ids=empty(length, torch.int32), expert_ids=empty(blocks, torch.int32),
+            num_tokens_post_padded=empty(1, torch.int32),
+            gemm1_out=gemm_view(gemm1, self.backend.gemm1.split_k, slots, config.gate_up_size, half),
+            intermediate=empty((slots, config.intermediate_size), half),
+            gemm2_out=gemm_view(gemm2, self.backend.gemm2.split_k, slots, config.hidden_size, half),
+            output=empty((slots, config.hidden_size), half),
+        )
+
+
+def batched_moe(hidden_states, counts, weights: ExpertWeights, config: MoEConfig, *,
+                workspace: BatchedWorkspace | None = None, check_counts: bool = True) -> torch.Tensor:
+    """(E, T, H) expert-major tokens and (E,) int32 valid rows per expert -> (E, T, H)
+    expert outputs (a view of the workspace's output; see the module docstring).
+    `check_counts` validates the counts (a host sync; pass False in graphs)."""
+    if weights.config != config:
+        raise ValueError("weights were built for another MoEConfig than the one given")
+    weights.check_loaded()
+    experts, half = config.num_local_experts, getattr(torch, config.dtype)
+    hidden_states = interop.check_tensor("hidden_states", hidden_states, dtype=half, ndim=3)
+    if hidden_states.shape[0] != experts or hidden_states.shape[2] != config.hidden_size:
+        raise ValueError(f"hidden_states must be (num_local_experts={experts}, T, {config.hidden_size}), "
+                         f"got {tuple(hidden_states.shape)}")
+    tokens_per_expert = hidden_states.shape[1]
+    if workspace is None:
+        workspace = BatchedWorkspace(config, tokens_per_expert, weights.spec)
+    if workspace.config != config or workspace.tokens_per_expert != tokens_per_expert:
+        raise ValueError(f"the workspace was built for tokens_per_expert={workspace.tokens_per_expert} of "
+                         f"another config; this call has {tokens_per_expert} rows per expert")
+    counts = interop.check_tensor("counts", counts, dtype=torch.int32, shape=(experts,))
+    buffers = workspace.buffers
+    batched_align(counts, tokens_per_expert, workspace.backend.block_m, check_counts=check_counts,
+                  out=(buffers.sorted_token_ids, buffers.expert_ids, buffers.num_tokens_post_padded))
+    rows = hidden_states.reshape(experts * tokens_per_expert, config.hidden_size)
+    prepared = Prepared(config, workspace.backend, buffers, rows, buffers.topk_weights, buffers.topk_ids)
+    return run(prepared, weights).view(experts, tokens_per_expert, config.hidden_size)

@@ -1,0 +1,176 @@
+"""`python -m moe.tune`: measure tile configurations on this GPU and save the best per
+token count to `moe/tuned/<device>.json`, which the oracle (`select_backend`) reads.
+
+For each token count M it routes M random tokens, and for each alignment block size
+times every candidate tile of gemm1 and of gemm2 on that alignment (CUDA-graph replays,
+L2 flushed), keeping the fastest pair; the block size with the smallest sum wins. The
+candidates are the oracle's own families (`candidate_tiles`): decode tiles (16-row
+blocks, A straight from global memory, K split over warps and CTAs) and prefill tiles
+(32 to 128-row blocks staged in shared memory). Weights are random bits in the kernel
+layout: timing does not depend on their values.
+
+    python -m moe.tune --experts 128 --top-k 8 --hidden 2048 --intermediate 768 --tokens 1 16 256 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from typing import Callable, Iterable
+
+import torch
+
+from numba_kernels import interop
+from numba_kernels.align import moe_align_block_size
+from numba_kernels.fragments import SLAB_K
+from numba_kernels.gemm import GemmTile, grouped_gemm
+
+from .config import MoEConfig, QuantScheme
+from .oracle import TUNED_DIR, Backend, backend_to_dict, device_name, shape_key, tuned_table
+from .weights import ExpertWeights, kernel_spec
+from .workspace import gemm_out_elements, gemm_view
+
+Measure = Callable[[Callable[[], None], GemmTile], float]
+
+
+def candidate_tiles(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTile]:
+    """Tiles worth timing for `num_tokens` tokens and reduction length `k`."""
+    per_expert = num_tokens * config.top_k / config.num_local_experts
+    slabs = -(-k // SLAB_K)
+    tiles = []
+    if per_expert <= 64:
+        for warps_k in (2, 4):
+            for depth in (2, 4):
+                for split_k in (1, 2, 4, 8):
+                    if split_k == 1 or slabs // split_k >= warps_k * depth:
+                        tiles.append(GemmTile(block_m=16, warps_k=warps_k, slabs_per_warp=depth, split_k=split_k))
+    if per_expert > 4:
+        for block_m in (32, 64, 128):
+            for warps_n in (1, 2):
+                for depth in (2, 4):
+                    tiles.append(GemmTile(block_m=block_m, warps_m=max(block_m // 32, 1), warps_n=warps_n,
+                                          slabs_per_warp=depth, a_in_shared=True))
+    return tiles
+
+
+class ProgressBar:
+    """A one-line text progress bar on stderr (no dependency)."""
+
+    def __init__(self, total: int, label: str, stream=sys.stderr, width: int = 30):
+        self.total, self.label, self.stream, self.width, self.done = max(total, 1), label, stream, width, 0
+
+    def step(self, note: str = "") -> None:
+        self.done += 1
+        filled = self.width * self.done // self.total
+        self.stream.write(f"\r{self.label} [{'#' * filled}{'.' * (self.width - filled)}] "
+                          f"{self.done}/{self.total} {note:40.40s}")
+        if self.done >= self.total:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+def cuda_graph_measure(repeats: int = 20) -> Measure:
+    """Median CUDA-event time (ms) of `fn` replayed from a CUDA graph, L2 flushed each time."""
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+
+    def measure(fn, tile):
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        times = []
+        for _ in range(repeats):
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    return measure
+
+
+def tune(config: MoEConfig, token_counts: Iterable[int], *, measure: Measure | None = None,
+         candidates: Callable[[int, MoEConfig, int], list[GemmTile]] = candidate_tiles, seed: int = 0,
+         progress: bool = True) -> dict[int, Backend]:
+    """The fastest backend per token count (see the module docstring)."""
+    measure = measure or cuda_graph_measure()
+    weights = ExpertWeights(config)
+    weights.fill_random(seed)
+    h, i, n1 = config.hidden_size, config.intermediate_size, config.gate_up_size
+    half = getattr(torch, config.dtype)
+    device = interop.kernel_device()
+    generator = torch.Generator(device=device).manual_seed(seed)
+    best = {}
+    for tokens in token_counts:
+        slots = tokens * config.top_k
+        tiles1, tiles2 = candidates(tokens, config, h), candidates(tokens, config, i)
+        bar = ProgressBar(len(tiles1) + len(tiles2), f"M={tokens:<5d}") if progress else None
+        hidden = torch.randn(tokens, h, generator=generator, device=device).to(half)
+        topk_ids = torch.stack([torch.randperm(config.num_local_experts, generator=generator, device=device)[:config.top_k]
+                                for _ in range(tokens)]).to(torch.int32)
+        intermediate = torch.randn(slots, i, generator=generator, device=device).to(half)
+        timings: dict[int, dict[str, tuple[float, GemmTile]]] = {}
+        for stage, tiles, act, n, k in (("gemm1", tiles1, hidden, n1, h), ("gemm2", tiles2, intermediate, h, i)):
+            for tile in tiles:
+                alignment = moe_align_block_size(topk_ids, tile.block_m, config.num_experts, check_ids=False)
+                out = gemm_view(torch.empty(gemm_out_elements(tile.split_k, slots, n), dtype=torch.float32,
+                                            device=device), tile.split_k, slots, n, half)
+                stored = weights.w13 if stage == "gemm1" else weights.w2
+
+                def run(tile=tile, act=act, stored=stored, alignment=alignment, out=out):
+                    grouped_gemm(act, stored, *alignment, num_slots=slots, tile=tile, out=out)
+
+                ms = measure(run, tile)
+                previous = timings.setdefault(tile.block_m, {}).get(stage)
+                if previous is None or ms < previous[0]:
+                    timings[tile.block_m][stage] = (ms, tile)
+                if bar:
+                    bar.step(f"{stage} {ms:.4f} ms")
+        complete = {m: t for m, t in timings.items() if len(t) == 2}
+        if not complete:
+            raise ValueError(f"no block size has candidate tiles for both GEMMs at M={tokens}")
+        block_m = min(complete, key=lambda m: complete[m]["gemm1"][0] + complete[m]["gemm2"][0])
+        best[tokens] = Backend(block_m, complete[block_m]["gemm1"][1], complete[block_m]["gemm2"][1])
+    return best
+
+
+def save(config: MoEConfig, backends: dict[int, Backend], device: str | None = None) -> str:
+    """Merge `backends` into this device's tuned table; returns the file written."""
+    path = TUNED_DIR / f"{device or device_name()}.json"
+    table = json.loads(path.read_text()) if path.exists() else {}
+    entries = table.setdefault(shape_key(config, kernel_spec(config)), {})
+    entries.update({str(m): backend_to_dict(b) for m, b in backends.items()})
+    TUNED_DIR.mkdir(exist_ok=True)
+    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    tuned_table.cache_clear()
+    return str(path)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--experts", type=int, required=True)
+    parser.add_argument("--top-k", type=int, required=True)
+    parser.add_argument("--hidden", type=int, required=True)
+    parser.add_argument("--intermediate", type=int, required=True)
+    parser.add_argument("--format", default="native", choices=["native", "nvfp4"])
+    parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16, 64, 256, 1024, 4096])
+    args = parser.parse_args(argv)
+    quant = QuantScheme("nvfp4") if args.format == "nvfp4" else QuantScheme("native", bits=4,
+                                                                             group_size=args.group_size)
+    config = MoEConfig(num_experts=args.experts, top_k=args.top_k, hidden_size=args.hidden,
+                       intermediate_size=args.intermediate, quant=quant)
+    backends = tune(config, args.tokens)
+    for tokens, backend in backends.items():
+        print(f"M={tokens}: {backend}")
+    print(f"saved to {save(config, backends)}")
+
+
+if __name__ == "__main__":
+    main()

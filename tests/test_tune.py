@@ -1,0 +1,62 @@
+"""The tuner keeps the fastest measured tile per GEMM and block size, writes the device's
+table, and the oracle then picks the tuned backend."""
+
+import io
+
+import pytest
+
+import moe.oracle
+import moe.tune
+from moe import MoEConfig, QuantScheme, select_backend
+from moe.tune import ProgressBar, candidate_tiles, save, tune
+from moe.weights import kernel_spec
+from numba_kernels.gemm import GemmTile
+
+CONFIG = MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=64,
+                   quant=QuantScheme("native", bits=4, group_size=32))
+SLOW = GemmTile(block_m=16, warps_k=1, slabs_per_warp=1)
+FAST = GemmTile(block_m=16, warps_k=2, slabs_per_warp=1)
+
+
+def test_tuner_keeps_the_fastest_tiles_and_the_oracle_reads_them(tmp_path, monkeypatch):
+    launched = []
+
+    def measure(fn, tile):  # runs each candidate once (a real launch), then a scripted time
+        fn()
+        launched.append(tile)
+        return 1.0 if tile == FAST else 2.0
+
+    best = tune(CONFIG, [2], measure=measure, candidates=lambda tokens, config, k: [SLOW, FAST], progress=False)
+    assert launched == [SLOW, FAST, SLOW, FAST]
+    assert best[2].gemm1 == FAST and best[2].gemm2 == FAST and best[2].block_m == 16
+
+    monkeypatch.setattr(moe.oracle, "TUNED_DIR", tmp_path)
+    monkeypatch.setattr(moe.tune, "TUNED_DIR", tmp_path)
+    moe.oracle.tuned_table.cache_clear()
+    try:
+        path = save(CONFIG, best, device=moe.oracle.device_name())
+        assert path.endswith(f"{moe.oracle.device_name()}.json")
+        assert select_backend(CONFIG, 2, kernel_spec(CONFIG)) == best[2]
+        assert select_backend(CONFIG, 5, kernel_spec(CONFIG)) == best[2]  # largest measured M not above
+        assert select_backend(CONFIG, 1, kernel_spec(CONFIG)) != best[2]  # below every entry: the heuristic
+    finally:
+        moe.oracle.tuned_table.cache_clear()
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 256, 4096])
+def test_candidates_are_valid_tiles_of_the_right_family(tokens):
+    qwen3 = MoEConfig(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768)
+    tiles = candidate_tiles(tokens, qwen3, 2048)
+    assert tiles and all(isinstance(t, GemmTile) for t in tiles)
+    per_expert = tokens * 8 / 128
+    assert any(t.a_in_shared for t in tiles) == (per_expert > 4)
+    assert any(not t.a_in_shared for t in tiles) == (per_expert <= 64)
+
+
+def test_progress_bar_counts_to_the_total():
+    stream = io.StringIO()
+    bar = ProgressBar(3, "M=1", stream=stream, width=6)
+    for _ in range(3):
+        bar.step("gemm1")
+    assert stream.getvalue().endswith("3/3 gemm1" + " " * 35 + "\n")
+    assert "[######]" in stream.getvalue()
