@@ -200,7 +200,7 @@ def main(argv=None) -> None:
 
     timer = Timer()
     bandwidth, rate = copy_bandwidth(timer), matmul_rate(timer)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True).stdout.strip()
     header = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=commit,
                   copy_bandwidth_TBps=bandwidth / 1e12, bf16_matmul_TFLOPs=rate / 1e12)
     print(json.dumps(header))
