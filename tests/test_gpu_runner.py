@@ -1,13 +1,17 @@
 """The runner on the real GPU: no allocation per forward after warm-up, CUDA-graph capture
 and replay with new inputs, bounded memory while converting checkpoints, correct results on
-two streams at once, and DLPack inputs from CuPy and JAX."""
+two streams at once, DLPack inputs from CuPy and JAX, prefill tiles, the batched layout and
+the tuner's timing."""
 
 import numpy as np
 import pytest
 import torch
 
-from moe import MoEConfig, MoELayer, QuantScheme
+from moe import MoEConfig, MoELayer, QuantScheme, batched_moe, select_backend
 from moe.reference import random_checkpoint, reference_moe
+from moe.tune import tune
+from numba_kernels.activation import reference_activate
+from numba_kernels.gemm import GemmTile
 
 pytestmark = pytest.mark.gpu
 
@@ -113,3 +117,35 @@ def test_dlpack_inputs_from_cupy_and_jax(layer):
     jax_logits = jax.dlpack.from_dlpack(logits)
     out = layer(jax_hidden, jax_logits)
     assert _error(out, expected) < 2e-2
+
+
+def test_prefill_batch_takes_the_shared_memory_tiles(layer):
+    big = MoELayer(layer.config, max_tokens=512)  # 128 slots per expert
+    big.weights = layer.weights
+    hidden, logits = _inputs(layer.config, 512, 7)
+    assert select_backend(layer.config, 512, layer.weights.spec).gemm1.a_in_shared
+    assert _error(big(hidden, logits), _reference(layer, hidden, logits)) < 2e-2
+
+
+def test_batched_layout_matches_each_experts_reference(layer):
+    config, checkpoint = layer.config, layer.checkpoint
+    generator = torch.Generator(device="cuda").manual_seed(8)
+    tokens_per_expert = 96
+    hidden = torch.randn(config.num_experts, tokens_per_expert, config.hidden_size, generator=generator,
+                         device="cuda").to(torch.bfloat16)
+    counts = torch.randint(0, tokens_per_expert + 1, (config.num_experts,), generator=generator, device="cuda",
+                           dtype=torch.int32)
+    out = batched_moe(hidden, counts, layer.weights, config).float().cpu().numpy()
+    x = hidden.double().cpu().numpy()
+    for expert, count in enumerate(counts.tolist()):
+        if count:
+            intermediate = reference_activate(x[expert, :count] @ checkpoint.dense_w13[expert].T, config.activation)
+            expected = intermediate @ checkpoint.dense_w2[expert].T
+            assert np.linalg.norm(out[expert, :count] - expected) / np.linalg.norm(expected) < 2e-2
+
+
+def test_tuner_times_candidates_with_cuda_graphs():
+    config = MoEConfig(**SMALL, quant=QuantScheme("native", bits=4, group_size=128))
+    tiles = [GemmTile(block_m=16, warps_k=4, slabs_per_warp=2), GemmTile(block_m=16, warps_k=2, slabs_per_warp=4)]
+    best = tune(config, [4], candidates=lambda tokens, config, k: tiles, progress=False)
+    assert best[4].gemm1 in tiles and best[4].gemm2 in tiles
