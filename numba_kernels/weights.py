@@ -72,6 +72,12 @@ class KernelWeights:
     spec: QuantSpec
     shape: tuple[int, int, int]
     tensors: tuple[torch.Tensor, ...]
+    _arrays: tuple = attrs.field(init=False, repr=False)
+
+    def __attrs_post_init__(self):
+        # Converted once: a view per launch would cost host time on every call; reloads
+        # write into the same tensors, so the views stay valid.
+        object.__setattr__(self, "_arrays", tuple(interop.to_kernel(t) for t in self.tensors))
 
     @classmethod
     def from_physical(cls, spec: QuantSpec, physical: dict, shape: tuple[int, ...] | None = None) -> "KernelWeights":
@@ -124,8 +130,8 @@ class KernelWeights:
         return cls(spec, (experts, n, k), (weight, scales, zeros, g_idx, k_order, global_scale))
 
     def arrays(self) -> tuple:
-        """The six kernel arrays (zero-copy views)."""
-        return tuple(interop.to_kernel(t) for t in self.tensors)
+        """The six kernel arrays (zero-copy views, made once)."""
+        return self._arrays
 
     @property
     def num_experts(self) -> int:
