@@ -1,0 +1,62 @@
+"""Registers, spills and wide loads of the grouped GEMM for the oracle's tiles, compiled
+for sm_90a without a GPU (see `tools/ptx_check.py` for what it needs).
+
+    python -m tools.gemm_resources
+
+Prints one line per (layout, tile): registers per thread, stack / spill bytes, local
+loads, mma and 16-byte global loads in the PTX. Run it after changing a kernel's main
+loop, before spending device time: a spill or a lost vector load shows here.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from .ptx_check import compile_kernel  # first: numba_kernels would pick the simulator without a GPU
+
+from layouts import QuantSpec, formats  # noqa: E402
+from layouts.strategies import random_quantized  # noqa: E402
+from numba_kernels.gemm import GemmTile, make_grouped_gemm  # noqa: E402
+
+DECODE = GemmTile(block_m=16, warps_k=4, slabs_per_warp=4, split_k=2)
+PREFILL_64 = GemmTile(block_m=64, warps_m=2, warps_n=2, warps_k=1, slabs_per_warp=4, a_in_shared=True)
+PREFILL_128 = GemmTile(block_m=128, warps_m=4, warps_n=2, warps_k=1, slabs_per_warp=4, a_in_shared=True)
+CASES = [(formats.native(4, 128), DECODE), (formats.native(4, 128), PREFILL_64), (formats.native(4, 128), PREFILL_128),
+         (formats.native(fp4=True), DECODE), (formats.native(fp4=True), PREFILL_64)]
+
+
+def _kernel_arrays(spec: QuantSpec, shape: tuple[int, int, int]) -> tuple:
+    """The six weight arrays as the kernel receives them (3-D, halves as int16)."""
+    physical = spec.pack(random_quantized(spec, shape, np.random.default_rng(0)))
+
+    def as_3d(value):
+        value = np.asarray(value)
+        value = value.view(np.int16) if value.dtype in (np.uint16, np.float16) else value
+        return value if value.ndim == 3 else value[None]
+
+    zeros = as_3d(physical[spec.zeros.name]) if spec.zeros else np.zeros((1, 1, 1), np.int32)
+    global_scale = (np.asarray(physical[spec.global_scale_name], np.float32).reshape(-1) if spec.global_scale_name
+                    else np.ones(1, np.float32))
+    return (as_3d(physical[spec.weight.name]), as_3d(physical[spec.scales.name]), zeros,
+            np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int32), global_scale)
+
+
+def resources(spec: QuantSpec, tile: GemmTile, n: int = 256, k: int = 512) -> str:
+    partial = tile.split_k > 1
+    kernel = make_grouped_gemm(spec, n, k, tile, "bfloat16", partial, True, True, tile.a_in_shared)
+    ids = np.zeros(4, np.int32)
+    out = np.zeros((tile.split_k, 8, n), np.float32) if partial else np.zeros((8, n), np.int16)
+    compiled = compile_kernel(kernel, np.zeros((1, 4, k // 2), np.int32), _kernel_arrays(spec, (2, n, k)), ids, ids,
+                              ids[:1], np.zeros(8, np.float32), out, np.int32(8), np.int32(2))
+    registers = re.findall(r"Used (\d+) registers", compiled.report)
+    stack = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", compiled.report)
+    ptx = compiled.ptx
+    return (f"{spec.name:12s} {tile}: registers {registers}, stack/spill {stack}, ld.local {ptx.count('ld.local')}, "
+            f"mma {ptx.count('mma.sync')}, 16-byte loads {ptx.count('ld.global.nc.v4')}")
+
+
+if __name__ == "__main__":
+    for spec, tile in CASES:
+        print(resources(spec, tile), flush=True)
