@@ -27,7 +27,7 @@ import torch
 from layouts import QuantSpec
 from numba_kernels import interop
 from numba_kernels.fragments import CHUNK_N, SLAB_K, fast_path_supported
-from numba_kernels.gemm import GemmTile, make_grouped_gemm
+from numba_kernels.gemm import GemmTile, activation_loads, make_grouped_gemm
 
 from .config import MoEConfig
 
@@ -167,9 +167,7 @@ def build_backend(config: MoEConfig, backend: Backend, spec1: QuantSpec, spec2: 
     half = config.dtype
 
     def build(spec, n, k, tile):
-        pair_loads = k % 2 == 0 and not spec.sort_k_by_group
-        return make_grouped_gemm(spec, n, k, tile, half, tile.split_k > 1, False, pair_loads,
-                                 tile.a_in_shared and pair_loads and k % 8 == 0)
+        return make_grouped_gemm(spec, n, k, tile, half, tile.split_k > 1, False, *activation_loads(k, spec, tile))
 
     gemm1, gemm2 = build(spec1, n1, h, backend.gemm1), build(spec2, h, i, backend.gemm2)
     return BuiltBackend(backend, gemm1, gemm2, fast_path_supported(spec1, half) and fast_path_supported(spec2, half))

@@ -383,12 +383,11 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     return grouped_gemm
 
 
-def activation_layout(act: torch.Tensor, spec: QuantSpec, tile: GemmTile) -> tuple[bool, bool]:
-    """(pair_loads, vector_a) for `act`: how the kernel may read it (see make_grouped_gemm)."""
-    k = act.shape[1]
+def activation_loads(k: int, spec: QuantSpec, tile: GemmTile, aligned: bool = True) -> tuple[bool, bool]:
+    """(pair_loads, vector_a) for activations of K = `k` whose storage is 16-byte `aligned`:
+    how the kernel may read them (see make_grouped_gemm)."""
     pair_loads = k % 2 == 0 and not spec.sort_k_by_group
-    vector_a = tile.a_in_shared and pair_loads and k % 8 == 0 and act.data_ptr() % 16 == 0
-    return pair_loads, vector_a
+    return pair_loads, tile.a_in_shared and pair_loads and k % 8 == 0 and aligned
 
 
 def activation_array(act: torch.Tensor, pair_loads: bool):
@@ -441,7 +440,7 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
     if out is None:
         out = interop.empty(expected, torch.float32 if partial_output else act.dtype)
     out = interop.check_tensor("out", out, dtype=torch.float32 if partial_output else act.dtype, shape=expected)
-    pair_loads, vector_a = activation_layout(act, weights.spec, tile)
+    pair_loads, vector_a = activation_loads(k, weights.spec, tile, act.data_ptr() % 16 == 0)
     kernel = make_grouped_gemm(weights.spec, n, k, tile, half, partial_output, topk_weights is not None,
                                pair_loads, vector_a)
     grid = tile.grid(expert_ids.shape[0], n)

@@ -324,32 +324,34 @@ else:
     load_u32x4 = _gpu_load_u32x4()
 
 
+def _helper(half: str, twin, stem: str):
+    """The helper `stem` for `half` operands: its simulator twin, or the linked PTX wrapper."""
+    _check_half(half)
+    return twin(half) if SIMULATED else _declared()[f"{stem}_{'bf16' if half == 'bfloat16' else 'f16'}"]
+
+
 @functools.cache
 def mma(half: str):
     """Warp-collective D = A @ B + C, m16n8k16, `half` operands, float32 accumulators."""
-    _check_half(half)
-    return _twin_mma(half) if SIMULATED else _declared()["mma_bf16" if half == "bfloat16" else "mma_f16"]
+    return _helper(half, _twin_mma, "mma")
 
 
 @functools.cache
 def fma2(half: str):
     """Two half-precision fused multiply-adds on packed pairs, rounded to nearest even."""
-    _check_half(half)
-    return _twin_fma2(half) if SIMULATED else _declared()["fma_bf16" if half == "bfloat16" else "fma_f16"]
+    return _helper(half, _twin_fma2, "fma")
 
 
 @functools.cache
 def pack2(half: str):
     """Two float32 -> one uint32 holding (lo, hi) as halves, rounded to nearest even."""
-    _check_half(half)
-    return _twin_pack2(half) if SIMULATED else _declared()["pack_bf16" if half == "bfloat16" else "pack_f16"]
+    return _helper(half, _twin_pack2, "pack")
 
 
 @functools.cache
 def to_half(half: str):
     """float32 -> half bit pattern (in a uint32), rounded to nearest even."""
-    _check_half(half)
-    return _twin_to_half(half) if SIMULATED else _declared()["to_bf16" if half == "bfloat16" else "to_f16"]
+    return _helper(half, _twin_to_half, "to")
 
 
 @functools.cache

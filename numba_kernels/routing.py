@@ -168,40 +168,36 @@ def _bias_reader(dtype_name: str | None):
     return read_bias
 
 
+@ptx.device
+def _larger(a, b):
+    return max(a, b)
+
+
+@ptx.device
+def _plus(a, b):
+    return a + b
+
+
 @functools.cache
-def _block_reductions(threads: int):
-    """Device functions (buffer, tid, value) -> the block's max / sum (tree order, so the
-    result is deterministic); every thread must call them."""
+def _block_reduction(threads: int, combine):
+    """Device function (buffer, tid, value) -> `combine` over the block's values, in tree
+    order (so the result is deterministic); every thread must call it."""
 
     @ptx.device
-    def block_max(buffer, tid, value):
+    def block_reduce(buffer, tid, value):
         buffer[tid] = value
         cuda.syncthreads()
         stride = threads // 2
         while stride > 0:
             if tid < stride:
-                buffer[tid] = max(buffer[tid], buffer[tid + stride])
+                buffer[tid] = combine(buffer[tid], buffer[tid + stride])
             cuda.syncthreads()
             stride //= 2
         result = buffer[0]
         cuda.syncthreads()
         return result
 
-    @ptx.device
-    def block_sum(buffer, tid, value):
-        buffer[tid] = value
-        cuda.syncthreads()
-        stride = threads // 2
-        while stride > 0:
-            if tid < stride:
-                buffer[tid] = buffer[tid] + buffer[tid + stride]
-            cuda.syncthreads()
-            stride //= 2
-        result = buffer[0]
-        cuda.syncthreads()
-        return result
-
-    return block_max, block_sum
+    return block_reduce
 
 
 @ptx.device
@@ -244,7 +240,7 @@ def make_routing_kernel(config: RoutingConfig, num_experts: int, logits_dtype: s
     renormalize, scale = config.renormalize, float32(config.routed_scaling_factor)
     pair_group_score = has_bias and chunk > 1
     decode_logit, read_bias = _decoder(logits_dtype), _bias_reader(bias_dtype)
-    block_max, block_sum = _block_reductions(threads)
+    block_max, block_sum = _block_reduction(threads, _larger), _block_reduction(threads, _plus)
     neg_inf = float32(-np.inf)
 
     @ptx.kernel(launch_bounds=threads)

@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from numba_kernels import interop
+from poison import check_written_and_close, poisoned
 from numba_kernels.activation import Activation, activate, reference_activate
 from numba_kernels.rows import vectorizable
 
@@ -34,21 +35,13 @@ def _gate_up(source, splits: int, rows: int, width: int, seed: int, offset: int 
     return values[offset:].view(shape)
 
 
-def _poisoned(shape, dtype, offset: int = 0) -> torch.Tensor:
-    return torch.full((int(np.prod(shape)) + offset,), float("nan"), dtype=dtype,
-                      device=interop.kernel_device())[offset:].view(shape)
-
-
 def _check(got: torch.Tensor, expected: np.ndarray) -> None:
-    rtol, atol = TOLERANCES[got.dtype]
-    got = got.to("cpu", torch.float64).numpy()
-    assert np.isfinite(got).all(), "unwritten (NaN-poisoned) outputs"
-    np.testing.assert_allclose(got, expected, rtol=rtol, atol=atol)
+    check_written_and_close(got, expected, TOLERANCES)
 
 
 def _run(activation, gate_up, out_dtype, out_offset: int = 0):
     rows, width = gate_up.shape[-2], activation.output_width(gate_up.shape[-1])
-    out = _poisoned((rows, width), out_dtype, out_offset)
+    out = poisoned((rows, width), out_dtype, out_offset)
     assert activate(gate_up, activation, out=out) is out
     _check(out, reference_activate(gate_up, activation))
     return out
@@ -103,7 +96,7 @@ def test_swigluoai_matches_vllm_golden_vector():
     swigluoai = Activation("swigluoai", alpha=1.702, limit=7.0)
     np.testing.assert_allclose(reference_activate(gate_up, swigluoai), golden["out_y"], rtol=1e-6, atol=1e-6)
     for out_dtype in (torch.float32, torch.bfloat16):
-        out = _poisoned(golden["out_y"].shape, out_dtype)
+        out = poisoned(golden["out_y"].shape, out_dtype)
         activate(gate_up, swigluoai, out=out)
         rtol, atol = TOLERANCES[out_dtype]
         np.testing.assert_allclose(out.to("cpu", torch.float64).numpy(), golden["out_y"], rtol=rtol, atol=atol)
@@ -193,11 +186,11 @@ def _sampled_rows(rows: int) -> np.ndarray:
 ])
 def test_realistic_shapes_on_the_gpu(activation, width, rows, splits, source, out_dtype):
     gate_up = _gate_up(source, splits, rows, 2 * width if activation.gated else width, seed=width)
-    out = _poisoned((rows, width), out_dtype)
+    out = poisoned((rows, width), out_dtype)
     activate(gate_up, activation, out=out)
     assert torch.isfinite(out).all()
     picked = torch.from_numpy(_sampled_rows(rows)).to(gate_up.device)
     _check(out[picked], reference_activate(gate_up.index_select(-2, picked), activation))
-    again = _poisoned((rows, width), out_dtype)
+    again = poisoned((rows, width), out_dtype)
     activate(gate_up, activation, out=again)
     assert torch.equal(out, again), "not deterministic"

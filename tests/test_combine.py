@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from numba_kernels import interop
+from poison import check_written_and_close, poisoned
 from numba_kernels.rows import vectorizable
 from numba_kernels.combine import combine, reference_combine
 
@@ -34,20 +35,12 @@ def _topk_weights(tokens: int, top_k: int, seed: int) -> torch.Tensor:
     return torch.softmax(logits, dim=-1)
 
 
-def _poisoned(shape, dtype, offset: int = 0) -> torch.Tensor:
-    return torch.full((int(np.prod(shape)) + offset,), float("nan"), dtype=dtype,
-                      device=interop.kernel_device())[offset:].view(shape)
-
-
 def _check(got: torch.Tensor, expected: np.ndarray) -> None:
-    rtol, atol = TOLERANCES[got.dtype]
-    got = got.to("cpu", torch.float64).numpy()
-    assert np.isfinite(got).all(), "unwritten (NaN-poisoned) outputs"
-    np.testing.assert_allclose(got, expected, rtol=rtol, atol=atol)
+    check_written_and_close(got, expected, TOLERANCES)
 
 
 def _run(expert_out, weights, out_dtype, weights_applied=False, out_offset: int = 0):
-    out = _poisoned((weights.shape[0], expert_out.shape[-1]), out_dtype, out_offset)
+    out = poisoned((weights.shape[0], expert_out.shape[-1]), out_dtype, out_offset)
     assert combine(expert_out, weights, out=out, weights_applied=weights_applied) is out
     _check(out, reference_combine(expert_out, weights, weights_applied=weights_applied))
     return out
@@ -157,6 +150,6 @@ def test_realistic_shapes_on_the_gpu(tokens, top_k, width, splits, source, out_d
     expert_out = _expert_out(source, splits, tokens * top_k, width, seed=tokens)
     weights = _topk_weights(tokens, top_k, seed=top_k)
     out = _run(expert_out, weights, out_dtype, weights_applied)
-    again = _poisoned(out.shape, out_dtype)
+    again = poisoned(out.shape, out_dtype)
     combine(expert_out, weights, out=again, weights_applied=weights_applied)
     assert torch.equal(out, again), "not deterministic"
