@@ -10,8 +10,8 @@ with the L2 cache flushed before every run, the median of many runs of:
 * torch_ms: the torch reference, dequantised bf16 experts multiplied in a loop over experts;
 * grouped_mm_ms: torch._grouped_mm on bf16 experts (CUTLASS tensor cores), for comparison;
 
-and at M = 1 the eager layer (host-bound: every kernel launched from Python). The floor
-of the two GEMMs is max(bytes of the touched experts' weights / copy bandwidth,
+and at M = 1 the eager layer from Python (host-bound): replayed launches (the default) and
+ordinary Numba launches, per forward and per launch. The floor of the two GEMMs is max(bytes of the touched experts' weights / copy bandwidth,
 flops / bf16 matmul rate), both ceilings measured in the same run. Weights are random
 bits written straight into the kernel layout (timing does not depend on their values;
 correctness is the tests' job).
@@ -31,8 +31,9 @@ import time
 import torch
 
 import numba_kernels  # noqa: F401  (before numba: no simulator on a GPU machine)
-from moe import MoEConfig, MoELayer, QuantScheme, prepare
+from moe import MoEConfig, MoEHooks, MoELayer, QuantScheme, check_inputs, prepare
 from numba_kernels.gemm import grouped_gemm
+from numba_kernels.launch import recording
 
 SHAPES = {"qwen3": dict(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768),
           "mixtral": dict(num_experts=8, top_k=2, hidden_size=4096, intermediate_size=14336),
@@ -145,7 +146,8 @@ def bench_row(timer, layer, reference, tokens, generator, bandwidth, rate) -> di
     config = layer.config
     hidden = (torch.randn(tokens, config.hidden_size, generator=generator, device="cuda")).to(torch.bfloat16)
     logits, topk_weights, topk_ids = routing_for(config, tokens, generator)
-    prepared = prepare(config, layer.weights, layer.workspace, hidden, topk=(topk_weights, topk_ids), check_ids=False)
+    inputs = check_inputs(config, layer.weights, layer.workspace, hidden, topk=(topk_weights, topk_ids), check_ids=False)
+    prepared = prepare(config, layer.weights, layer.workspace, inputs)
     buffers, backend, slots = prepared.buffers, prepared.backend, topk_ids.numel()
     alignment = (buffers.sorted_token_ids, buffers.expert_ids, buffers.num_tokens_post_padded)
 
@@ -171,23 +173,33 @@ def bench_row(timer, layer, reference, tokens, generator, bandwidth, rate) -> di
                fraction_of_floor=floor_ms / gemm_ms, layer_over_gemm=layer_ms / gemm_ms, torch_ms=torch_ms,
                grouped_mm_ms=grouped_mm_ms, backend=repr(backend))
     if tokens == 1:
-        row.update(eager_host(layer, hidden, logits, timer))
+        row.update(eager_host(layer, hidden, logits))
+        row["eager_over_layer"] = row["eager_layer_ms"] / layer_ms
     return row
 
 
-def eager_host(layer, hidden, logits, timer) -> dict:
-    """The eager layer: wall time per forward from Python, and per kernel launch."""
-    for _ in range(5):
+def eager_host(layer, hidden, logits) -> dict:
+    """The eager layer: wall time per forward from Python, replayed (the default: launches
+    recorded on the first call) and with ordinary Numba launches (what a hook forces)."""
+    def wall_ms(repeats: int = 100) -> float:
+        for _ in range(5):
+            layer(hidden, logits)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            layer(hidden, logits)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) * 1e3 / repeats
+
+    replayed_ms = wall_ms()
+    layer.hooks = MoEHooks()  # any hooks object turns the replay off
+    with recording() as calls:
         layer(hidden, logits)
-    torch.cuda.synchronize()
-    repeats = 100
-    start = time.perf_counter()
-    for _ in range(repeats):
-        layer(hidden, logits)
-    torch.cuda.synchronize()
-    eager_ms = (time.perf_counter() - start) * 1e3 / repeats
-    launches = 6  # route, align, gemm1, activation, gemm2, combine
-    return dict(eager_layer_ms=eager_ms, host_us_per_launch=eager_ms * 1e3 / launches)
+    ordinary_ms = wall_ms()
+    layer.hooks = None
+    launches = len(calls)
+    return dict(eager_layer_ms=replayed_ms, host_us_per_launch=replayed_ms * 1e3 / launches,
+                eager_ordinary_ms=ordinary_ms, ordinary_us_per_launch=ordinary_ms * 1e3 / launches, launches=launches)
 
 
 def main(argv=None) -> None:
@@ -221,7 +233,8 @@ def main(argv=None) -> None:
                       f"gemm {row['gemm_ms']:.4f} ms  layer {row['layer_ms']:.4f} ms  floor {row['floor_ms']:.4f} ms "
                       f"({row['fraction_of_floor']:.2f})  torch {row['torch_ms']:.4f} ms  grouped_mm "
                       f"{row['grouped_mm_ms'] or float('nan'):.4f} ms"
-                      + (f"  eager {row['eager_layer_ms']:.3f} ms ({row['host_us_per_launch']:.0f} us/launch)"
+                      + (f"  eager {row['eager_layer_ms']:.3f} ms ({row['host_us_per_launch']:.0f} us/launch, "
+                         f"{row['eager_over_layer']:.2f}x the graph; ordinary launches {row['eager_ordinary_ms']:.3f} ms)"
                          if tokens == 1 else ""), flush=True)
                 with open(args.json, "w") as f:  # after every row: a timed-out run keeps its rows
                     json.dump(dict(header, rows=rows), f, indent=1)

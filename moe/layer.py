@@ -8,7 +8,7 @@ import torch
 
 from .config import MoEConfig
 from .hooks import MoEHooks
-from .runner import prepare, run
+from .runner import forward
 from .weights import ExpertWeights
 from .workspace import Workspace
 
@@ -48,6 +48,5 @@ class MoELayer(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None = None, *, topk=None,
                 correction_bias: torch.Tensor | None = None) -> torch.Tensor:
-        prepared = prepare(self.config, self.weights, self.workspace, hidden_states, router_logits, topk=topk,
-                           correction_bias=correction_bias)
-        return run(prepared, self.weights, self.hooks)
+        return forward(self.config, self.weights, self.workspace, hidden_states, router_logits, topk=topk,
+                       correction_bias=correction_bias, hooks=self.hooks)

@@ -1,15 +1,18 @@
 """The one kernel sequence of an MoE layer, shared by `fused_moe` and `MoELayer`.
 
-    prepare:  pick the backend (oracle), take the workspace's views for this token count,
-              route (top-k of the router logits, unless given) and align the token slots
-              to expert blocks;
-    run:      gemm1 (hidden -> gate/up) -> hooks -> activation -> gemm2 (-> hidden)
-              -> hooks -> combine (weighted sum over each token's experts).
+    check_inputs: validate the call's tensors against the config, weights and workspace;
+    prepare:      pick the backend (oracle), take the workspace's views for this token
+                  count, route (top-k of the router logits, unless given) and align the
+                  token slots to expert blocks;
+    run:          gemm1 -> hooks -> activation -> gemm2 -> hooks -> combine (weighted
+                  sum over each token's experts).
 
-Every buffer comes from the persistent `Workspace`, every kernel launches on torch's
-current stream, and nothing synchronises the host, so after a warm-up call a forward
-allocates no device memory and can be captured in a CUDA graph. Inputs are validated
-once, here, before any kernel runs.
+`forward` is what both entry points call: it checks the inputs, then either replays the
+launches recorded by an earlier call of the same kind (`replay`: the eager fast path) or
+runs prepare + run, recording them. Every buffer comes from the persistent `Workspace`,
+every kernel launches on torch's current stream, and nothing synchronises the host, so
+after a warm-up call a forward allocates no device memory and can be captured in a CUDA
+graph. Inputs are validated once, before any kernel runs.
 """
 
 from __future__ import annotations
@@ -22,15 +25,83 @@ from numba_kernels.activation import activate
 from numba_kernels.align import moe_align_block_size
 from numba_kernels.combine import combine
 from numba_kernels.gemm import grouped_gemm
-from numba_kernels.routing import route
+from numba_kernels.routing import LOGIT_DTYPES, route
 
 from .config import MoEConfig
 from .hooks import GemmStep, MoEHooks
 from .oracle import Backend, select_backend
+from .replay import record
 from .weights import ExpertWeights
 from .workspace import CallBuffers, Workspace
 
 _NO_HOOKS = MoEHooks()
+
+
+@attrs.frozen(eq=False)
+class Inputs:
+    """A call's validated tensors: hidden states and either router logits (with an
+    optional correction bias) or a given (topk_weights, topk_ids) pair."""
+
+    hidden_states: torch.Tensor
+    router_logits: torch.Tensor | None = None
+    correction_bias: torch.Tensor | None = None
+    topk_weights: torch.Tensor | None = None
+    topk_ids: torch.Tensor | None = None
+
+    @property
+    def tensors(self) -> tuple:
+        return (self.hidden_states, self.router_logits, self.correction_bias, self.topk_weights, self.topk_ids)
+
+    def kind(self, weights: ExpertWeights) -> tuple:
+        """What a recorded forward depends on besides the tensors' memory: calls of one kind
+        launch the same kernels on the same buffers."""
+        dtypes = tuple(None if t is None else t.dtype for t in (self.router_logits, self.correction_bias))
+        return id(weights), self.hidden_states.shape[0], self.hidden_states.data_ptr() % 16 == 0, dtypes
+
+
+def check_expert_ids(config: MoEConfig, topk_ids: torch.Tensor) -> None:
+    """Raise if any expert id lies outside [0, num_experts) (synchronises the host)."""
+    low, high = int(topk_ids.min()), int(topk_ids.max())
+    if low < 0 or high >= config.num_experts:
+        raise ValueError(f"topk_ids must lie in [0, {config.num_experts}), got values from {low} to {high}")
+
+
+def check_inputs(config: MoEConfig, weights: ExpertWeights, workspace: Workspace, hidden_states, router_logits=None, *,
+                 topk=None, correction_bias=None, check_ids: bool = True) -> Inputs:
+    """Validate a call (see `fused_moe`) before any kernel runs; `check_ids` checks given
+    topk_ids' values (a host sync)."""
+    if weights.config != config:
+        raise ValueError("weights were built for another MoEConfig than the one given")
+    if workspace.config != config:
+        raise ValueError("the workspace was built for another MoEConfig than the one given")
+    weights.check_loaded()
+    half = getattr(torch, config.dtype)
+    hidden_states = interop.check_tensor("hidden_states", hidden_states, dtype=half, ndim=2)
+    tokens = hidden_states.shape[0]
+    if hidden_states.shape[1] != config.hidden_size:
+        raise ValueError(f"hidden_states must be (M, {config.hidden_size}), got {tuple(hidden_states.shape)}")
+    if tokens == 0:
+        raise ValueError("hidden_states holds no tokens")
+    workspace.check_tokens(tokens)
+    if (router_logits is None) == (topk is None):
+        raise ValueError("pass exactly one of router_logits and topk=(topk_weights, topk_ids)")
+    if router_logits is not None:
+        router_logits = interop.check_tensor("router_logits", router_logits, dtype=LOGIT_DTYPES,
+                                             shape=(tokens, config.num_experts))
+        if correction_bias is not None:
+            correction_bias = interop.check_tensor("correction_bias", correction_bias, dtype=LOGIT_DTYPES,
+                                                   shape=(config.num_experts,))
+        return Inputs(hidden_states, router_logits, correction_bias)
+    if correction_bias is not None:
+        raise ValueError("correction_bias applies to routing: pass it with router_logits, not with topk")
+    if not (isinstance(topk, (tuple, list)) and len(topk) == 2):
+        raise TypeError("topk must be a (topk_weights, topk_ids) pair")
+    shape = (tokens, config.top_k)
+    topk_weights = interop.check_tensor("topk_weights", topk[0], dtype=torch.float32, shape=shape)
+    topk_ids = interop.check_tensor("topk_ids", topk[1], dtype=torch.int32, shape=shape)
+    if check_ids:
+        check_expert_ids(config, topk_ids)
+    return Inputs(hidden_states, topk_weights=topk_weights, topk_ids=topk_ids)
 
 
 @attrs.frozen(eq=False)
@@ -45,59 +116,20 @@ class Prepared:
     topk_ids: torch.Tensor
 
 
-def _check_inputs(config: MoEConfig, weights: ExpertWeights, hidden_states, router_logits, topk):
-    if weights.config != config:
-        raise ValueError("weights were built for another MoEConfig than the one given")
-    weights.check_loaded()
-    half = getattr(torch, config.dtype)
-    hidden_states = interop.check_tensor("hidden_states", hidden_states, dtype=half, ndim=2)
-    tokens = hidden_states.shape[0]
-    if hidden_states.shape[1] != config.hidden_size:
-        raise ValueError(f"hidden_states must be (M, {config.hidden_size}), got {tuple(hidden_states.shape)}")
-    if tokens == 0:
-        raise ValueError("hidden_states holds no tokens")
-    if (router_logits is None) == (topk is None):
-        raise ValueError("pass exactly one of router_logits and topk=(topk_weights, topk_ids)")
-    if router_logits is not None:
-        router_logits = interop.check_tensor("router_logits", router_logits,
-                                             dtype=(torch.float32, torch.bfloat16, torch.float16),
-                                             shape=(tokens, config.num_experts))
-        return hidden_states, router_logits, None
-    if not (isinstance(topk, (tuple, list)) and len(topk) == 2):
-        raise TypeError("topk must be a (topk_weights, topk_ids) pair")
-    shape = (tokens, config.top_k)
-    topk_weights = interop.check_tensor("topk_weights", topk[0], dtype=torch.float32, shape=shape)
-    topk_ids = interop.check_tensor("topk_ids", topk[1], dtype=torch.int32, shape=shape)
-    return hidden_states, None, (topk_weights, topk_ids)
-
-
-def check_expert_ids(config: MoEConfig, topk_ids: torch.Tensor) -> None:
-    """Raise if any expert id lies outside [0, num_experts) (synchronises the host)."""
-    low, high = int(topk_ids.min()), int(topk_ids.max())
-    if low < 0 or high >= config.num_experts:
-        raise ValueError(f"topk_ids must lie in [0, {config.num_experts}), got values from {low} to {high}")
-
-
-def prepare(config: MoEConfig, weights: ExpertWeights, workspace: Workspace, hidden_states, router_logits=None, *,
-            topk=None, correction_bias=None, check_ids: bool = True) -> Prepared:
-    """Validate, pick the backend, route and align (see the module docstring)."""
-    hidden_states, router_logits, topk = _check_inputs(config, weights, hidden_states, router_logits, topk)
-    if workspace.config != config:
-        raise ValueError("the workspace was built for another MoEConfig than the one given")
-    tokens = hidden_states.shape[0]
+def prepare(config: MoEConfig, weights: ExpertWeights, workspace: Workspace, inputs: Inputs) -> Prepared:
+    """Pick the backend, route and align (see the module docstring)."""
+    tokens = inputs.hidden_states.shape[0]
     backend = select_backend(config, tokens, weights.spec)
     buffers = workspace.buffers(tokens, backend)
-    if topk is None:
-        topk_weights, topk_ids = route(router_logits, config.routing, correction_bias=correction_bias,
+    if inputs.router_logits is not None:
+        topk_weights, topk_ids = route(inputs.router_logits, config.routing, correction_bias=inputs.correction_bias,
                                        out=(buffers.topk_weights, buffers.topk_ids))
     else:
-        topk_weights, topk_ids = topk
-        if check_ids:
-            check_expert_ids(config, topk_ids)
+        topk_weights, topk_ids = inputs.topk_weights, inputs.topk_ids
     moe_align_block_size(topk_ids, backend.block_m, config.num_experts, expert_map=workspace.expert_map,
                          ignore_invalid_experts=False, check_ids=False,
                          out=(buffers.sorted_token_ids, buffers.expert_ids, buffers.num_tokens_post_padded))
-    return Prepared(config, backend, buffers, hidden_states, topk_weights, topk_ids)
+    return Prepared(config, backend, buffers, inputs.hidden_states, topk_weights, topk_ids)
 
 
 def run(prepared: Prepared, weights: ExpertWeights, hooks: MoEHooks | None = None) -> torch.Tensor:
@@ -123,6 +155,26 @@ def run(prepared: Prepared, weights: ExpertWeights, hooks: MoEHooks | None = Non
     return buffers.output
 
 
+def forward(config: MoEConfig, weights: ExpertWeights, workspace: Workspace, hidden_states, router_logits=None, *,
+            topk=None, correction_bias=None, check_ids: bool = True, hooks: MoEHooks | None = None) -> torch.Tensor:
+    """The forward of both entry points: check, then replay or prepare + run (and record)."""
+    inputs = check_inputs(config, weights, workspace, hidden_states, router_logits, topk=topk,
+                          correction_bias=correction_bias, check_ids=check_ids)
+    if hooks is not None:  # hooks run arbitrary Python between the kernels: never replayed
+        return run(prepare(config, weights, workspace, inputs), weights, hooks)
+    kind = inputs.kind(weights)
+    program = workspace.programs.get(kind)
+    if program is not None:
+        return program.replay(inputs.tensors)
+
+    def recorded(tensors):
+        return run(prepare(config, weights, workspace, Inputs(*tensors)), weights)
+
+    output, program = record(recorded, inputs.tensors, workspace.owns)
+    workspace.programs.put(kind, program, weights)
+    return output
+
+
 def fused_moe(hidden_states, router_logits, weights: ExpertWeights, config: MoEConfig, *,
               workspace: Workspace | None = None, lora: MoEHooks | None = None, topk=None,
               correction_bias=None, check_ids: bool = True) -> torch.Tensor:
@@ -131,11 +183,12 @@ def fused_moe(hidden_states, router_logits, weights: ExpertWeights, config: MoEC
 
     The output is a view of the workspace's output buffer, valid until its next call (as
     with a CUDA graph's static outputs; copy it to keep it). Without a workspace one is
-    made for this call (allocating); pass a persistent one in any loop. `lora` takes
-    `LoRAHooks` (or any `MoEHooks`). `check_ids` validates given topk_ids (a host sync).
+    made for this call (allocating); pass a persistent one in any loop: its first call of
+    each token count records the launches, and later calls replay them with little Python
+    (`replay`). `lora` takes `LoRAHooks` (or any `MoEHooks`). `check_ids` validates given
+    topk_ids (a host sync).
     """
     if workspace is None:
         workspace = Workspace(config, interop.as_tensor(hidden_states, "hidden_states").shape[0], weights.spec)
-    prepared = prepare(config, weights, workspace, hidden_states, router_logits, topk=topk,
-                       correction_bias=correction_bias, check_ids=check_ids)
-    return run(prepared, weights, lora)
+    return forward(config, weights, workspace, hidden_states, router_logits, topk=topk,
+                   correction_bias=correction_bias, check_ids=check_ids, hooks=lora)

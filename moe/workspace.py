@@ -19,6 +19,7 @@ from numba_kernels.align import align_sizes
 
 from .config import MoEConfig
 from .oracle import Backend, select_backend, token_buckets
+from .replay import ProgramCache
 
 
 class WorkspaceTooSmall(ValueError):
@@ -84,23 +85,34 @@ class Workspace:
         self._intermediate = torch.empty((slots, config.intermediate_size), dtype=half, device=device)
         self._gemm2 = torch.empty(gemm2, dtype=torch.float32, device=device)
         self._output = torch.empty((max_tokens, config.hidden_size), dtype=half, device=device)
+        self.programs = ProgramCache()  # recorded forwards (see replay); they point into these buffers
 
     def grow(self, max_tokens: int) -> None:
         """Reallocate for a larger maximum (explicit: calls never grow the workspace)."""
         if max_tokens > self.max_tokens:
             self._allocate(max_tokens)
 
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self._topk_weights, self._topk_ids, self._sorted_ids, self._expert_ids, self._num_post_padded,
+                self._gemm1, self._intermediate, self._gemm2, self._output)
+
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (
-            self._topk_weights, self._topk_ids, self._sorted_ids, self._expert_ids, self._num_post_padded,
-            self._gemm1, self._intermediate, self._gemm2, self._output))
+        return sum(t.numel() * t.element_size() for t in self._tensors())
 
-    def buffers(self, num_tokens: int, backend: Backend) -> CallBuffers:
-        """Views for a call of `num_tokens` tokens run by `backend`."""
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` starts inside one of the workspace's buffers."""
+        address = tensor.data_ptr()
+        return any(0 <= address - t.data_ptr() < t.numel() * t.element_size() for t in self._tensors())
+
+    def check_tokens(self, num_tokens: int) -> None:
         if num_tokens > self.max_tokens:
             raise WorkspaceTooSmall(f"the workspace holds {self.max_tokens} tokens, the call has {num_tokens}: "
                                     f"create it with a larger max_tokens or call grow({num_tokens})")
+
+    def buffers(self, num_tokens: int, backend: Backend) -> CallBuffers:
+        """Views for a call of `num_tokens` tokens run by `backend`."""
+        self.check_tokens(num_tokens)
         config = self.config
         slots = num_tokens * config.top_k
         padded, blocks = align_sizes(slots, config.num_experts, backend.block_m)

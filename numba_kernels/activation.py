@@ -34,7 +34,7 @@ import torch
 from numba import cuda, float32
 
 from .ptx import device, kernel
-from .rows import (DTYPE_NAMES, ONE, ZERO, as_float64, check_partials, chunk_reader, chunk_size, chunk_writer, launch,
+from .rows import (DTYPE_NAMES, ONE, ZERO, as_float64, check_partials, chunk_reader, chunk_size, chunk_writer, launch_rows,
                    output_tensor, source_array, target_array, vectorizable)
 
 NAMES = ("silu", "gelu", "gelu_tanh", "relu", "swigluoai")
@@ -194,7 +194,7 @@ def activate(gate_up, activation: Activation, *, out=None, out_dtype=None) -> to
         vectorized = vectorizable(width, partials, out)
         source = DTYPE_NAMES[partials.dtype]
         activation_kernel = make_activation_kernel(activation, source, DTYPE_NAMES[out.dtype], vectorized)
-        launch(activation_kernel, rows, width, chunk_size(source, vectorized), source_array(partials, vectorized),
+        launch_rows(activation_kernel, rows, width, chunk_size(source, vectorized), source_array(partials, vectorized),
                target_array(out, vectorized), width)
     return out
 

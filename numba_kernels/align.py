@@ -54,6 +54,7 @@ import torch
 from numba import cuda, int32
 
 from . import interop, ptx
+from .launch import launch_kernel
 
 SLOTS_PER_BLOCK = 1024
 """Slots one block places; more slots spread over more blocks (up to MAX_BLOCKS)."""
@@ -308,7 +309,8 @@ def moe_align_block_size(topk_ids, block_size: int, num_experts: int, *, expert_
     blocks, threads = launch_shape(numel, num_experts)
     kernel = make_align_kernel(num_experts, block_size, threads, map_mode)
     flat_ids = interop.to_kernel(ids.view(-1))
-    kernel[blocks, threads, interop.launch_stream()](
+    launch_kernel(
+        kernel, blocks, threads,
         flat_ids, flat_ids if emap is None else interop.to_kernel(emap),  # a stand-in is never read
         interop.to_kernel(sorted_ids), interop.to_kernel(expert_ids), interop.to_kernel(num_post),
         padded_len, block_count)

@@ -24,6 +24,7 @@ import torch
 from numba import cuda, int32
 
 from . import interop, ptx
+from .launch import launch_kernel
 
 THREADS = 256
 
@@ -86,7 +87,8 @@ def batched_align(counts, tokens_per_expert: int, block_size: int, *, out=None, 
             raise ValueError(f"{name} must hold at least {size} elements, got {tensor.shape[0]}")
         views.append(tensor[:size])
     kernel = make_batched_align_kernel(int(tokens_per_expert), int(block_size))
-    kernel[-(-length // THREADS), THREADS, interop.launch_stream()](
+    launch_kernel(
+        kernel, -(-length // THREADS), THREADS,
         interop.to_kernel(counts), *(interop.to_kernel(v) for v in views))
     return tuple(views)
 

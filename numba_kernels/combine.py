@@ -29,7 +29,7 @@ import torch
 from numba import cuda, float32
 
 from . import interop
-from .rows import (DTYPE_NAMES, ONE, ZERO, as_float64, check_partials, chunk_reader, chunk_size, chunk_writer, launch,
+from .rows import (DTYPE_NAMES, ONE, ZERO, as_float64, check_partials, chunk_reader, chunk_size, chunk_writer, launch_rows,
                    output_tensor, source_array, target_array, vectorizable)
 from .ptx import kernel
 
@@ -87,7 +87,7 @@ def combine(expert_out, topk_weights, *, out=None, out_dtype=None, weights_appli
         vectorized = vectorizable(width, partials, out)
         source = DTYPE_NAMES[partials.dtype]
         combine_kernel = make_combine_kernel(source, DTYPE_NAMES[out.dtype], vectorized, bool(weights_applied))
-        launch(combine_kernel, tokens, width, chunk_size(source, vectorized), source_array(partials, vectorized),
+        launch_rows(combine_kernel, tokens, width, chunk_size(source, vectorized), source_array(partials, vectorized),
                interop.to_kernel(weights), target_array(out, vectorized), width)
     return out
 

@@ -34,6 +34,7 @@ from numba import cuda, int16
 from layouts import QuantSpec
 
 from . import interop, ptx
+from .launch import launch_kernel
 from .elements import element_reader, logical_k
 from .weights import KernelWeights
 
@@ -88,7 +89,7 @@ def dequantize(weights: KernelWeights, out_dtype=torch.float32, *, out: torch.Te
         return out
     kernel = make_dequantize_kernel(weights.spec, n, k, OUT_DTYPES[out_dtype])
     blocks = min(-(-total // THREADS), MAX_BLOCKS)
-    kernel[blocks, THREADS, interop.launch_stream()](weights.arrays(), interop.to_kernel(out), total)
+    launch_kernel(kernel, blocks, THREADS, weights.arrays(), interop.to_kernel(out), total)
     return out
 
 

@@ -47,6 +47,7 @@ from numba import cuda, float32, int16, int32, uint32
 from layouts import QuantSpec
 
 from . import interop, ptx
+from .launch import launch_kernel
 from .elements import logical_k
 from .fragments import CHUNK_N, SLAB_K, fragment_reader
 from .weights import KernelWeights
@@ -444,7 +445,8 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
     kernel = make_grouped_gemm(weights.spec, n, k, tile, half, partial_output, topk_weights is not None,
                                pair_loads, vector_a)
     grid = tile.grid(expert_ids.shape[0], n)
-    kernel[grid, tile.threads, interop.launch_stream()](
+    launch_kernel(
+        kernel, grid, tile.threads,
         activation_array(act, pair_loads), weights.arrays(), interop.to_kernel(sorted_token_ids), interop.to_kernel(expert_ids),
         interop.to_kernel(num_tokens_post_padded), interop.to_kernel(weights_flat), interop.to_kernel(out),
         np.int32(num_slots), np.int32(num_slots // act.shape[0]))

@@ -1,112 +1,185 @@
-"""A lean launch path: a compiled kernel plus a pre-packed argument buffer.
+"""Every kernel launch of the package, and the lean path that replays recorded launches.
 
-A Numba launch costs tens of microseconds of Python (type the arguments, convert every
-array, pack a parameter list), while a decode-time MoE kernel runs for a few
-microseconds on the GPU. A `Launcher` pays that once: it compiles the kernel for the
-argument types, keeps the CUDA function handle and a ctypes buffer holding every kernel
-parameter, and launches with one `cuLaunchKernel` call. Buffers that change between calls
-(the user's input, the token count) are re-pointed in place with `set_array` /
-`set_scalar`, which rewrite a few ctypes fields.
+All kernel wrappers end in `launch_kernel(kernel, grid, block, *args)`: an ordinary Numba
+launch on torch's current stream. Numba pays tens of microseconds of Python per launch
+(typing every argument, converting every array, packing a parameter list), while a
+decode-time MoE kernel runs for a few microseconds on the GPU. So a caller that repeats
+the same launches (the MoE runner, per token count) records them once,
 
-This module and `ptx` are the only ones that reach below numba-cuda's public kernel API:
-the parameter layout mirrors how numba-cuda flattens arguments (an array is meminfo,
-parent, size, itemsize, data pointer, shape, strides; a tuple is its members in order;
-scalars by value), and the function handle comes from the compiled overload. A GPU test
-checks it against ordinary launches. Under the CUDA simulator a `Launcher` simply calls
-the kernel.
+    with recording() as calls:
+        ...any wrappers...          # launched as usual, and recorded
+    launchers = [Launcher(call) for call in calls]
+
+and afterwards replays them with `Launcher.launch`: one `cuLaunchKernel` with a parameter
+buffer packed at record time. Arguments that change between calls (the user's inputs)
+are re-pointed in place with `Launcher.rebind`.
+
+This module is the only one that reaches below numba-cuda's public kernel API: it takes
+the compiled kernel from the documented `pre_launch_callbacks` hook, and packs the
+parameters with that kernel's own `_prepare_args` (numba-cuda 0.30), so the buffer
+holds exactly what an ordinary launch passes; `Launcher` checks each array's fields
+against the array before trusting the layout. Under the CUDA simulator a `Launcher`
+calls the kernel the ordinary way with its (re-bound) arguments.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
+import threading
 
+import attrs
 import numpy as np
+import torch
+
+from . import interop
 from .ptx import SIMULATED
 
-_SCALAR_CTYPES = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.int64): ctypes.c_int64,
-                  np.dtype(np.uint32): ctypes.c_uint32, np.dtype(np.float32): ctypes.c_float,
-                  np.dtype(np.float64): ctypes.c_double}
+
+@attrs.frozen(eq=False)
+class KernelCall:
+    """One launch as a wrapper configured it: kernel, grid, block and kernel arguments
+    (kernel arrays from `interop.to_kernel`, tuples of them, numpy or Python scalars).
+    `compiled` is numba's compiled kernel for these arguments (None when simulated)."""
+
+    kernel: object
+    grid: tuple
+    block: tuple
+    args: tuple
+    compiled: object = None
 
 
-def _flatten(value) -> list:
-    """numba-cuda's flattened kernel parameters of one argument, as ctypes objects."""
-    if isinstance(value, tuple):
-        return [field for member in value for field in _flatten(member)]
-    if hasattr(value, "__cuda_array_interface__") or isinstance(value, np.ndarray):
-        array = value
-        fields = [ctypes.c_void_p(0), ctypes.c_void_p(0), ctypes.c_int64(array.size),
-                  ctypes.c_int64(array.dtype.itemsize), ctypes.c_void_p(_data_pointer(array))]
-        fields += [ctypes.c_int64(s) for s in array.shape]
-        fields += [ctypes.c_int64(s) for s in array.strides]
-        return fields
-    scalar = np.asarray(value)
-    if scalar.dtype not in _SCALAR_CTYPES:
-        raise TypeError(f"unsupported kernel argument type {scalar.dtype} (pass numpy scalars or arrays)")
-    return [_SCALAR_CTYPES[scalar.dtype](scalar.item())]
+class _Recorder(threading.local):
+    calls: list | None = None
 
 
-def _data_pointer(array) -> int:
+_RECORDER = _Recorder()
+
+
+@contextlib.contextmanager
+def recording():
+    """Collect the `KernelCall` of every launch in this thread while the block runs (the
+    launches still happen)."""
+    outer, _RECORDER.calls = _RECORDER.calls, []
+    try:
+        yield _RECORDER.calls
+    finally:
+        _RECORDER.calls = outer
+
+
+def _dim3(value) -> tuple:
+    dims = (value,) if isinstance(value, (int, np.integer)) else tuple(value)
+    return tuple(int(d) for d in dims) + (1,) * (3 - len(dims))
+
+
+def launch_kernel(kernel, grid, block, *args) -> None:
+    """`kernel[grid, block, torch's stream](*args)`, recorded inside `recording()`."""
+    configured = kernel[grid, block, interop.launch_stream()]
+    calls = _RECORDER.calls
+    if calls is None:
+        configured(*args)
+        return
+    compiled = []
+    callbacks = None if SIMULATED else getattr(configured, "pre_launch_callbacks", None)
+    if callbacks is not None:  # numba hands them the compiled kernel right before launching
+        callbacks.append(lambda kernel_, _config: compiled.append(kernel_))
+    configured(*args)
+    calls.append(KernelCall(kernel, _dim3(grid), _dim3(block), args, compiled[0] if compiled else None))
+
+
+def data_pointer(array) -> int:
+    """Device (or, simulated, host) address of a kernel array's first element."""
     if isinstance(array, np.ndarray):
-        return array.ctypes.data
+        return array.__array_interface__["data"][0]
     return array.__cuda_array_interface__["data"][0]
 
 
+def is_array(value) -> bool:
+    """Whether a kernel argument is an array (not a scalar or a tuple)."""
+    return isinstance(value, np.ndarray) or hasattr(value, "__cuda_array_interface__")
+
+
+def _as_parameter(value):
+    """A packed kernel parameter as cuda.core would pass it: ctypes values as they are,
+    Python ints as intptr_t, floats as double."""
+    if isinstance(value, ctypes._SimpleCData):
+        return value
+    if isinstance(value, int):
+        return ctypes.c_ssize_t(value)
+    if isinstance(value, float):
+        return ctypes.c_double(value)
+    raise TypeError(f"cannot pack kernel parameter {value!r} of type {type(value).__name__}")
+
+
+@functools.lru_cache(maxsize=64)
+def _driver_stream(handle: int):
+    from cuda.bindings import driver
+
+    return driver.CUstream(handle)
+
+
+class LeanLaunchUnavailable(RuntimeError):
+    """This launch cannot be replayed by a `Launcher` (callers fall back to ordinary launches)."""
+
+
+_ARRAY_DATA = 4  # numba flattens an array as meminfo, parent, size, itemsize, data, shape..., strides...
+
+
 class Launcher:
-    """`kernel[grid, block, stream](*args)` with the Python work done once.
+    """A recorded `KernelCall`, launched again with the Python work done once."""
 
-    args: the kernel's arguments (Numba device arrays, tuples of them, numpy scalars);
-          their types fix the compiled overload.
-    """
-
-    def __init__(self, kernel, grid, block, args: tuple, shared_memory: int = 0):
-        self.kernel = kernel
-        self.grid = tuple(grid) + (1,) * (3 - len(tuple(grid)))
-        self.block = (block, 1, 1) if isinstance(block, int) else tuple(block) + (1,) * (3 - len(tuple(block)))
-        self.shared_memory = shared_memory
-        self.args = list(args)
+    def __init__(self, call: KernelCall):
+        self.kernel, self.grid, self.block = call.kernel, call.grid, call.block
         if SIMULATED:
+            self.args = list(call.args)
             return
+        # On the GPU only the packed parameters are kept, not the arrays: a replay must not
+        # keep the recorded call's inputs alive (the buffers it reuses have owners).
+        compiled = call.compiled
+        if compiled is None or compiled.debug or compiled.cooperative:
+            raise LeanLaunchUnavailable("a Launcher needs a recorded, non-debug, non-cooperative kernel launch")
         from cuda.bindings import driver
 
         self._driver = driver
-        dispatcher = kernel.specialize(*args) if hasattr(kernel, "specialize") else kernel
-        compiled = next(iter(dispatcher.overloads.values()))
-        function = compiled._codelibrary.get_cufunc()
-        self._function = driver.CUfunction(int(function.handle))
-        self._fields = [_flatten(arg) for arg in args]
-        flat = [field for fields in self._fields for field in fields]
-        self._params = (ctypes.c_void_p * len(flat))(*[ctypes.addressof(f) for f in flat])
+        flat, self._starts = [], []
+        try:
+            self._function = driver.CUfunction(int(compiled._codelibrary.get_cufunc().handle))
+            for numba_type, value in zip(compiled.argument_types, call.args):
+                self._starts.append(len(flat))
+                compiled._prepare_args(numba_type, value, 0, [], flat)
+            self._fields = [_as_parameter(value) for value in flat]
+        except (AttributeError, TypeError) as error:
+            raise LeanLaunchUnavailable(f"this numba-cuda lacks what the lean launch path uses: {error}") from error
+        for index, value in enumerate(call.args):
+            if is_array(value):
+                self._check_array_fields(index, value)
+        self._params = (ctypes.c_void_p * len(self._fields))(*[ctypes.addressof(f) for f in self._fields])
         self._params_address = ctypes.addressof(self._params)
 
-    def set_array(self, index: int, array) -> None:
-        """Point argument `index` (an array of the same dtype and rank) at `array`."""
-        self.args[index] = array
-        if SIMULATED:
-            return
-        fields = self._fields[index]
-        ndim = len(array.shape)
-        if len(fields) != 5 + 2 * ndim:
-            raise ValueError(f"argument {index} needs an array of rank {(len(fields) - 5) // 2}, got rank {ndim}")
-        fields[2].value = int(np.prod(array.shape))
-        fields[4].value = _data_pointer(array)
-        for axis in range(ndim):
-            fields[5 + axis].value = int(array.shape[axis])
-            fields[5 + ndim + axis].value = int(array.strides[axis])
+    def _check_array_fields(self, index: int, array) -> None:
+        start = self._starts[index]
+        fields = [f.value for f in self._fields[start:start + _ARRAY_DATA + 1 + len(array.shape)]]
+        if fields[_ARRAY_DATA] != data_pointer(array) or tuple(fields[_ARRAY_DATA + 1:]) != tuple(array.shape):
+            raise LeanLaunchUnavailable("numba-cuda packs array arguments differently than launch.py expects "
+                                        f"(argument {index}); the lean launch path needs updating for this version")
 
-    def set_scalar(self, index: int, value) -> None:
-        """Change scalar argument `index`."""
-        self.args[index] = value
-        if not SIMULATED:
-            self._fields[index][0].value = value
-
-    def launch(self, stream_handle: int, grid=None) -> None:
-        """Launch on the CUDA stream `stream_handle` (an int), optionally with another grid."""
-        grid = self.grid if grid is None else tuple(grid) + (1,) * (3 - len(tuple(grid)))
+    def rebind(self, index: int, tensor: torch.Tensor) -> None:
+        """Make array argument `index` read `tensor`'s memory, keeping its shape and strides
+        (the caller guarantees `tensor` is laid out like the tensor it replaces)."""
         if SIMULATED:
-            self.kernel[grid, self.block](*self.args)
+            old = self.args[index]
+            memory = interop.to_kernel(tensor).reshape(-1).view(np.uint8)
+            self.args[index] = np.ndarray(old.shape, old.dtype, buffer=memory, strides=old.strides)
             return
-        (error,) = self._driver.cuLaunchKernel(self._function, *grid, *self.block, self.shared_memory,
-                                               self._driver.CUstream(stream_handle), self._params_address, 0)
+        self._fields[self._starts[index] + _ARRAY_DATA].value = tensor.data_ptr()
+
+    def launch(self, stream_handle: int) -> None:
+        """Launch on the CUDA stream `stream_handle` (`interop.launch_stream_handle()`)."""
+        if SIMULATED:
+            self.kernel[self.grid, self.block](*self.args)
+            return
+        (error,) = self._driver.cuLaunchKernel(self._function, *self.grid, *self.block, 0,
+                                               _driver_stream(stream_handle), self._params_address, 0)
         if error != self._driver.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"cuLaunchKernel failed: {error}")
-

@@ -23,6 +23,7 @@ import torch
 from numba import cuda, float32, int16
 
 from . import interop, ptx
+from .launch import launch_kernel
 
 THREADS = 128
 
@@ -110,7 +111,8 @@ def add_lora(x, topk_ids, lora_a, lora_b, scaling, token_adapter, out, *, expert
         expert_map = interop.stand_in(0, torch.int32, x.device)
     kernel = make_lora_kernel(rank, interop.HALF_NAMES[x.dtype], partial, mapped)
     to = interop.to_kernel
-    kernel[slots, THREADS, interop.launch_stream()](
+    launch_kernel(
+        kernel, slots, THREADS,
         to(x), to(topk_ids), to(expert_map), to(token_adapter), to(lora_a), to(lora_b), to(scaling), to(out),
         np.int32(top_k), np.int32(rows_div))
 

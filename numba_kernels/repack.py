@@ -54,6 +54,7 @@ from numba import cuda, int32, uint32
 from layouts import QuantSpec
 
 from . import interop, ptx
+from .launch import launch_kernel
 from .elements import code_reader, scale_decoder, scale_encoder, zero_reader
 from .weights import KernelWeights
 
@@ -289,7 +290,8 @@ def repack(src: KernelWeights, dst_spec: QuantSpec, *, out: dict | None = None,
                                 dst_rows, row_offset)
     total = len(experts) * n * (k + src.spec.groups(k))
     blocks = min(-(-total // THREADS), MAX_BLOCKS)
-    kernel[blocks, THREADS, interop.launch_stream()](
+    launch_kernel(
+        kernel, blocks, THREADS,
         src.arrays(), interop.to_kernel(weight_words), interop.to_kernel(scales), interop.to_kernel(zero_words),
         interop.to_kernel(src_positions), interop.to_kernel(dst_positions),
         (len(experts), src_first, src_step, dst_first, dst_step), total)

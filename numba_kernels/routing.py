@@ -52,6 +52,7 @@ import torch
 from numba import cuda, float32, int32, uint32, uint64
 
 from . import interop, ptx
+from .launch import launch_kernel
 
 SCORINGS = ("softmax", "sigmoid")
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -378,7 +379,8 @@ def route(router_logits, config: RoutingConfig, *, correction_bias=None, out=Non
                                  None if bias is None else _dtype_name(bias.dtype))
     logits_array = interop.to_kernel(logits)
     bias_array = logits_array if bias is None else interop.to_kernel(bias)  # a stand-in is never read
-    kernel[tokens, block_threads(experts), interop.launch_stream()](
+    launch_kernel(
+        kernel, tokens, block_threads(experts),
         logits_array, bias_array, interop.to_kernel(weights), interop.to_kernel(ids))
     return weights, ids
 

@@ -15,6 +15,7 @@ import torch
 from numba import float32, int16, int32, uint32
 
 from . import interop
+from .launch import launch_kernel
 from .ptx import bits_f32, device, half_to_f32, load_u32x4, pack2, to_half
 
 # ---------------------------------------------------------------------------------------
@@ -180,12 +181,12 @@ def target_array(out: torch.Tensor, vectorized: bool):
     return interop.to_kernel(out.view(torch.int32) if pairs else out)
 
 
-def launch(row_kernel, rows: int, width: int, chunk: int, *args) -> None:
+def launch_rows(row_kernel, rows: int, width: int, chunk: int, *args) -> None:
     """Launch a chunked row kernel over rows x width outputs on torch's stream."""
     chunks = -(-width // chunk)
     block = min(BLOCK, -(-chunks // 32) * 32)
     grid = (-(-chunks // block), min(rows, MAX_GRID_Y))
-    row_kernel[grid, block, interop.launch_stream()](*args)
+    launch_kernel(row_kernel, grid, block, *args)
 
 
 def as_float64(value) -> np.ndarray:

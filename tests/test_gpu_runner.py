@@ -1,7 +1,7 @@
-"""The runner on the real GPU: no allocation per forward after warm-up, CUDA-graph capture
-and replay with new inputs, bounded memory while converting checkpoints, correct results on
-two streams at once, DLPack inputs from CuPy and JAX, prefill tiles, the batched layout and
-the tuner's timing."""
+"""The runner on the real GPU: eager replays with new inputs, no allocation per forward
+after warm-up, CUDA-graph capture and replay with new inputs, bounded memory while
+converting checkpoints, correct results on two streams at once, DLPack inputs from CuPy
+and JAX, prefill tiles, the batched layout and the tuner's timing."""
 
 import numpy as np
 import pytest
@@ -53,6 +53,13 @@ def test_forward_allocates_no_device_memory_after_warm_up(layer):
         layer(hidden, logits)
     torch.cuda.synchronize()
     assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+
+
+@pytest.mark.parametrize("tokens", [1, 48])
+def test_eager_replays_read_each_calls_inputs(layer, tokens):
+    for seed in (10, 11, 12):  # the first call records, the others replay
+        hidden, logits = _inputs(layer.config, tokens, seed)
+        assert _error(layer(hidden, logits), _reference(layer, hidden, logits)) < 2e-2
 
 
 @pytest.mark.parametrize("tokens", [1, 48])
