@@ -10,9 +10,11 @@ with the L2 cache flushed before every run, the median of many runs of:
 * torch_ms: the torch reference, dequantised bf16 experts multiplied in a loop over experts;
 * grouped_mm_ms: torch._grouped_mm on bf16 experts (CUTLASS tensor cores), for comparison;
 
-and at M = 1 the eager layer from Python (host-bound): replayed launches (the default) and
-ordinary Numba launches, per forward and per launch. The floor of the two GEMMs is max(bytes of the touched experts' weights / copy bandwidth,
-flops / bf16 matmul rate), both ceilings measured in the same run. Weights are random
+at M <= 16 each kernel of the layer alone (a CUDA graph per kernel: where the time beyond
+the GEMMs goes), and at M = 1 the eager layer from Python (host-bound): replayed launches
+(the default) and ordinary Numba launches, per forward and per launch. The floor of the
+two GEMMs is max(bytes of the touched experts' weights / copy bandwidth, flops / bf16
+matmul rate), both ceilings measured in the same run. Weights are random
 bits written straight into the kernel layout (timing does not depend on their values;
 correctness is the tests' job).
 
@@ -32,8 +34,9 @@ import torch
 
 import numba_kernels  # noqa: F401  (before numba: no simulator on a GPU machine)
 from moe import MoEConfig, MoEHooks, MoELayer, QuantScheme, check_inputs, prepare
+from numba_kernels import interop
 from numba_kernels.gemm import grouped_gemm
-from numba_kernels.launch import recording
+from numba_kernels.launch import Launcher, recording
 
 SHAPES = {"qwen3": dict(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768),
           "mixtral": dict(num_experts=8, top_k=2, hidden_size=4096, intermediate_size=14336),
@@ -172,10 +175,27 @@ def bench_row(timer, layer, reference, tokens, generator, bandwidth, rate) -> di
     row = dict(M=tokens, experts_touched=touched, gemm_ms=gemm_ms, layer_ms=layer_ms, floor_ms=floor_ms,
                fraction_of_floor=floor_ms / gemm_ms, layer_over_gemm=layer_ms / gemm_ms, torch_ms=torch_ms,
                grouped_mm_ms=grouped_mm_ms, backend=repr(backend))
+    if tokens <= 16:
+        row["kernel_us"] = kernel_times(layer, hidden, logits, timer)
     if tokens == 1:
         row.update(eager_host(layer, hidden, logits))
         row["eager_over_layer"] = row["eager_layer_ms"] / layer_ms
     return row
+
+
+def kernel_times(layer, hidden, logits, timer) -> list:
+    """[kernel name, GPU microseconds] for each launch of the layer, in order, each kernel
+    replayed alone from its own CUDA graph: where the layer's time beyond the GEMMs goes."""
+    layer.hooks = MoEHooks()  # ordinary launches, recorded
+    with recording() as calls:
+        layer(hidden, logits)
+    layer.hooks = None
+    times = []
+    for call in calls:
+        launcher = Launcher(call)
+        replay = captured(lambda: launcher.launch(interop.launch_stream_handle()))
+        times.append([call.kernel.py_func.__name__, round(timer(replay, repeats=20) * 1e3, 2)])
+    return times
 
 
 def eager_host(layer, hidden, logits) -> dict:
@@ -235,7 +255,8 @@ def main(argv=None) -> None:
                       f"{row['grouped_mm_ms'] or float('nan'):.4f} ms"
                       + (f"  eager {row['eager_layer_ms']:.3f} ms ({row['host_us_per_launch']:.0f} us/launch, "
                          f"{row['eager_over_layer']:.2f}x the graph; ordinary launches {row['eager_ordinary_ms']:.3f} ms)"
-                         if tokens == 1 else ""), flush=True)
+                         if tokens == 1 else "")
+                      + (f"\n    per kernel (us): {row['kernel_us']}" if "kernel_us" in row else ""), flush=True)
                 with open(args.json, "w") as f:  # after every row: a timed-out run keeps its rows
                     json.dump(dict(header, rows=rows), f, indent=1)
             del layer
