@@ -14,16 +14,18 @@ one slot per row (top_k = 1, weight 1), so the sequence is written once.
 
 from __future__ import annotations
 
+import attrs
 import torch
 
 from numba_kernels import interop
-from numba_kernels.batched_align import batched_align, batched_sizes
+from numba_kernels.batched_align import batched_align, batched_sizes, check_count_values
 
 from .config import MoEConfig
 from .oracle import select_batched_backend
+from .replay import ProgramCache
 from .runner import Prepared, run
 from .weights import ExpertWeights
-from .workspace import CallBuffers, gemm_out_elements, gemm_view
+from .workspace import CallBuffers, gemm_out_elements, gemm_view, starts_within
 
 
 class BatchedWorkspace:
@@ -56,6 +58,11 @@ class BatchedWorkspace:
             gemm2_out=gemm_view(gemm2, self.backend.gemm2.split_k, slots, config.hidden_size, half),
             output=empty((slots, config.hidden_size), half),
         )
+        self.programs = ProgramCache()  # recorded calls (see replay), one per weights and alignment
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` starts inside one of the workspace's buffers."""
+        return starts_within(tensor, attrs.astuple(self.buffers, recurse=False))
 
 
 def batched_moe(hidden_states, counts, weights: ExpertWeights, config: MoEConfig, *,
@@ -78,9 +85,17 @@ def batched_moe(hidden_states, counts, weights: ExpertWeights, config: MoEConfig
         raise ValueError(f"the workspace was built for tokens_per_expert={workspace.tokens_per_expert} of "
                          f"another config; this call has {tokens_per_expert} rows per expert")
     counts = interop.check_tensor("counts", counts, dtype=torch.int32, shape=(experts,))
+    if check_counts:
+        check_count_values(counts, tokens_per_expert)
     buffers = workspace.buffers
-    batched_align(counts, tokens_per_expert, workspace.backend.block_m, check_counts=check_counts,
-                  out=(buffers.sorted_token_ids, buffers.expert_ids, buffers.num_tokens_post_padded))
-    rows = hidden_states.reshape(experts * tokens_per_expert, config.hidden_size)
-    prepared = Prepared(config, workspace.backend, buffers, rows, buffers.topk_weights, buffers.topk_ids)
-    return run(prepared, weights).view(experts, tokens_per_expert, config.hidden_size)
+
+    def sequence(tensors):
+        rows, counts = tensors
+        batched_align(counts, tokens_per_expert, workspace.backend.block_m, check_counts=False,
+                      out=(buffers.sorted_token_ids, buffers.expert_ids, buffers.num_tokens_post_padded))
+        return run(Prepared(config, workspace.backend, buffers, rows, buffers.topk_weights, buffers.topk_ids), weights)
+
+    rows = hidden_states.view(experts * tokens_per_expert, config.hidden_size)
+    kind = (id(weights), rows.data_ptr() % 16 == 0)
+    output = workspace.programs.run(kind, weights, sequence, (rows, counts), workspace.owns)
+    return output.view(experts, tokens_per_expert, config.hidden_size)

@@ -143,3 +143,14 @@ class ProgramCache:
 
     def clear(self) -> None:
         self._entries.clear()
+
+    def run(self, kind, weights, forward, inputs: Sequence[torch.Tensor | None],
+            owned: Callable[[torch.Tensor], bool]) -> torch.Tensor:
+        """`forward(inputs)`: replayed if a call of this kind was recorded, else run and
+        recorded (see `record`)."""
+        program = self.get(kind)
+        if program is not None:
+            return program.replay(inputs)
+        output, program = record(forward, inputs, owned)
+        self.put(kind, program, weights)
+        return output

@@ -30,7 +30,6 @@ from numba_kernels.routing import LOGIT_DTYPES, route
 from .config import MoEConfig
 from .hooks import GemmStep, MoEHooks
 from .oracle import Backend, select_backend
-from .replay import record
 from .weights import ExpertWeights
 from .workspace import CallBuffers, Workspace
 
@@ -162,17 +161,10 @@ def forward(config: MoEConfig, weights: ExpertWeights, workspace: Workspace, hid
                           correction_bias=correction_bias, check_ids=check_ids)
     if hooks is not None:  # hooks run arbitrary Python between the kernels: never replayed
         return run(prepare(config, weights, workspace, inputs), weights, hooks)
-    kind = inputs.kind(weights)
-    program = workspace.programs.get(kind)
-    if program is not None:
-        return program.replay(inputs.tensors)
-
-    def recorded(tensors):
+    def sequence(tensors):
         return run(prepare(config, weights, workspace, Inputs(*tensors)), weights)
 
-    output, program = record(recorded, inputs.tensors, workspace.owns)
-    workspace.programs.put(kind, program, weights)
-    return output
+    return workspace.programs.run(inputs.kind(weights), weights, sequence, inputs.tensors, workspace.owns)
 
 
 def fused_moe(hidden_states, router_logits, weights: ExpertWeights, config: MoEConfig, *,

@@ -41,6 +41,12 @@ class CallBuffers:
     output: torch.Tensor  # (M, H) half
 
 
+def starts_within(tensor: torch.Tensor, buffers) -> bool:
+    """Whether `tensor`'s first element lies inside one of `buffers`."""
+    address = tensor.data_ptr()
+    return any(0 <= address - b.data_ptr() < b.numel() * b.element_size() for b in buffers)
+
+
 def gemm_out_elements(backend_split: int, slots: int, width: int) -> int:
     """float32 elements of a GEMM output: partials per split, or half values (2 per float)."""
     return backend_split * slots * width if backend_split > 1 else -(-slots * width // 2)
@@ -102,8 +108,7 @@ class Workspace:
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` starts inside one of the workspace's buffers."""
-        address = tensor.data_ptr()
-        return any(0 <= address - t.data_ptr() < t.numel() * t.element_size() for t in self._tensors())
+        return starts_within(tensor, self._tensors())
 
     def check_tokens(self, num_tokens: int) -> None:
         if num_tokens > self.max_tokens:

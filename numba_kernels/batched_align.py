@@ -57,6 +57,13 @@ def make_batched_align_kernel(tokens_per_expert: int, block_size: int):
     return batched_align
 
 
+def check_count_values(counts: torch.Tensor, tokens_per_expert: int) -> None:
+    """Raise unless every count lies in [0, tokens_per_expert] (synchronises the host)."""
+    if not bool(((counts >= 0) & (counts <= tokens_per_expert)).all()):
+        raise ValueError(f"counts must lie in [0, {tokens_per_expert}] (tokens_per_expert), got values from "
+                         f"{int(counts.min())} to {int(counts.max())}")
+
+
 def batched_align(counts, tokens_per_expert: int, block_size: int, *, out=None, check_counts: bool = True):
     """(sorted_token_ids, expert_ids, num_tokens_post_padded) for the batched layout.
 
@@ -71,9 +78,8 @@ def batched_align(counts, tokens_per_expert: int, block_size: int, *, out=None, 
     num_experts = counts.shape[0]
     if num_experts == 0:
         raise ValueError("counts must hold one entry per local expert, got none")
-    if check_counts and not bool(((counts >= 0) & (counts <= tokens_per_expert)).all()):
-        raise ValueError(f"counts must lie in [0, {tokens_per_expert}] (tokens_per_expert), got values from "
-                         f"{int(counts.min())} to {int(counts.max())}")
+    if check_counts:
+        check_count_values(counts, tokens_per_expert)
     length, blocks = batched_sizes(num_experts, tokens_per_expert, block_size)
     names = ("out[0] (sorted_token_ids)", "out[1] (expert_ids)", "out[2] (num_tokens_post_padded)")
     if out is None:

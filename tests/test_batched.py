@@ -33,26 +33,28 @@ def test_batched_alignment_rejects_counts_beyond_the_rows():
         batched_align(torch.tensor([3, 4], dtype=torch.int64, device=DEVICE), 8, 16)
 
 
-@pytest.mark.parametrize("tokens_per_expert, expected", [(5, None), (40, 40)])
-def test_batched_moe_runs_each_valid_row_through_its_expert(tokens_per_expert, expected):
+@pytest.mark.parametrize("tokens_per_expert, expected, calls", [(5, None, 2), (40, 40, 1)])
+def test_batched_moe_runs_each_valid_row_through_its_expert(tokens_per_expert, expected, calls):
     config = MoEConfig(num_experts=3, top_k=2, hidden_size=64, intermediate_size=64,
                        quant=QuantScheme("gptq", group_size=32))
     checkpoint = random_checkpoint(config, np.random.default_rng(0))
     weights = process_weights_after_loading(config, checkpoint.w1, checkpoint.w2, checkpoint.w3)
     rng = np.random.default_rng(1)
-    hidden = torch.from_numpy(rng.standard_normal((3, tokens_per_expert, 64))).to(torch.bfloat16)
-    counts = np.array([tokens_per_expert, 0, min(3, tokens_per_expert)], np.int32)
     workspace = BatchedWorkspace(config, tokens_per_expert, weights.spec, expected_tokens_per_expert=expected)
-    out = batched_moe(hidden.to(DEVICE), torch.from_numpy(counts).to(DEVICE), weights, config,
-                      workspace=workspace).float().cpu().numpy()
-    x = hidden.double().numpy()
-    for expert, count in enumerate(counts):
-        rows = x[expert, :count]
-        intermediate = reference_activate(rows @ checkpoint.dense_w13[expert].T, config.activation)
-        expected_rows = intermediate @ checkpoint.dense_w2[expert].T
-        if count:
-            error = np.linalg.norm(out[expert, :count] - expected_rows) / np.linalg.norm(expected_rows)
-            assert error < 2e-2
+    for call in range(calls):  # the first call records its launches, a second replays them on new inputs
+        hidden = torch.from_numpy(rng.standard_normal((3, tokens_per_expert, 64))).to(torch.bfloat16)
+        counts = np.array([tokens_per_expert, 0, min(3, tokens_per_expert)], np.int32)[::1 - 2 * call].copy()
+        out = batched_moe(hidden.to(DEVICE), torch.from_numpy(counts).to(DEVICE), weights, config,
+                          workspace=workspace).float().cpu().numpy()
+        x = hidden.double().numpy()
+        for expert, count in enumerate(counts):
+            rows = x[expert, :count]
+            intermediate = reference_activate(rows @ checkpoint.dense_w13[expert].T, config.activation)
+            expected_rows = intermediate @ checkpoint.dense_w2[expert].T
+            if count:
+                error = np.linalg.norm(out[expert, :count] - expected_rows) / np.linalg.norm(expected_rows)
+                assert error < 2e-2
+    assert len(workspace.programs) == 1
     with pytest.raises(ValueError, match="tokens_per_expert"):
         batched_moe(hidden[:, :1].contiguous().to(DEVICE), torch.from_numpy(counts).to(DEVICE), weights, config,
                     workspace=workspace)
