@@ -135,9 +135,10 @@ def _pointwise(activation: Activation):
 
 
 @functools.cache
-def make_activation_kernel(activation: Activation, source: str, target: str, vectorized: bool):
-    """Kernel (gate_up, out, width): gate_up (S, T, W) from `source_array`, out (T, width)
-    from `target_array`; `source`/`target` are dtype names."""
+def make_activation_kernel(activation: Activation, source: str, target: str, vectorized: bool, splits: int):
+    """Kernel (gate_up, out, width): gate_up (splits, T, W) from `source_array`, out (T, width)
+    from `target_array`; `source`/`target` are dtype names. splits is compile-time, so
+    the loop over them unrolls and a thread's loads are all in flight together."""
     apply = _pointwise(activation)
     chunk = chunk_size(source, vectorized)
     read, write = chunk_reader(source, vectorized), chunk_writer(target, vectorized, chunk)
@@ -157,7 +158,7 @@ def make_activation_kernel(activation: Activation, source: str, target: str, vec
         for row in range(cuda.blockIdx.y, gate_up.shape[1], cuda.gridDim.y):
             for v in range(inputs):
                 x[v] = ZERO
-            for s in range(gate_up.shape[0]):
+            for s in range(splits):
                 if interleaved:
                     read(gate_up, s, row, 2 * col, 2 * width, x, 0)
                     read(gate_up, s, row, 2 * col + chunk, 2 * width, x, chunk)
@@ -193,7 +194,8 @@ def activate(gate_up, activation: Activation, *, out=None, out_dtype=None) -> to
     if rows and width:
         vectorized = vectorizable(width, partials, out)
         source = DTYPE_NAMES[partials.dtype]
-        activation_kernel = make_activation_kernel(activation, source, DTYPE_NAMES[out.dtype], vectorized)
+        activation_kernel = make_activation_kernel(activation, source, DTYPE_NAMES[out.dtype], vectorized,
+                                                   partials.shape[0])
         launch_rows(activation_kernel, rows, width, chunk_size(source, vectorized), source_array(partials, vectorized),
                target_array(out, vectorized), width)
     return out

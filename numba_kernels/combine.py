@@ -35,9 +35,11 @@ from .ptx import kernel
 
 
 @functools.cache
-def make_combine_kernel(source: str, target: str, vectorized: bool, weights_applied: bool):
-    """Kernel (expert_out, topk_weights, out, width): expert_out (S, M*k, H) from
-    `source_array`, topk_weights (M, k) float32, out (M, H) from `target_array`."""
+def make_combine_kernel(source: str, target: str, vectorized: bool, weights_applied: bool, splits: int, top_k: int):
+    """Kernel (expert_out, topk_weights, out, width): expert_out (splits, M*top_k, H) from
+    `source_array`, topk_weights (M, top_k) float32, out (M, H) from `target_array`.
+    splits and top_k are compile-time: the loops over them unroll, so a thread issues all
+    its splits x top_k loads before it adds (at decode this is a latency chain otherwise)."""
     chunk = chunk_size(source, vectorized)
     read, write = chunk_reader(source, vectorized), chunk_writer(target, vectorized, chunk)
 
@@ -48,14 +50,13 @@ def make_combine_kernel(source: str, target: str, vectorized: bool, weights_appl
         col = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) * chunk
         if col >= width:
             return
-        top_k = topk_weights.shape[1]
         for token in range(cuda.blockIdx.y, topk_weights.shape[0], cuda.gridDim.y):
             for v in range(chunk):
                 total[v] = ZERO
             for j in range(top_k):
                 for v in range(chunk):
                     slot_sum[v] = ZERO
-                for s in range(expert_out.shape[0]):
+                for s in range(splits):
                     read(expert_out, s, token * top_k + j, col, width, slot_sum, 0)
                 weight = ONE if weights_applied else topk_weights[token, j]
                 for v in range(chunk):
@@ -86,7 +87,8 @@ def combine(expert_out, topk_weights, *, out=None, out_dtype=None, weights_appli
     if tokens and width:
         vectorized = vectorizable(width, partials, out)
         source = DTYPE_NAMES[partials.dtype]
-        combine_kernel = make_combine_kernel(source, DTYPE_NAMES[out.dtype], vectorized, bool(weights_applied))
+        combine_kernel = make_combine_kernel(source, DTYPE_NAMES[out.dtype], vectorized, bool(weights_applied),
+                                             partials.shape[0], top_k)
         launch_rows(combine_kernel, tokens, width, chunk_size(source, vectorized), source_array(partials, vectorized),
                interop.to_kernel(weights), target_array(out, vectorized), width)
     return out

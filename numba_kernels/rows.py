@@ -27,6 +27,9 @@ slots) at 3.1 TB/s, 32-byte ones at 3.5; 64-byte float32 chunks gained 2% there 
 40% at decode (too few threads), where gemm1/gemm2 write float32 split-K partials."""
 
 BLOCK = 256
+MIN_BLOCK = 64
+SPREAD_BLOCKS = 264
+"""Blocks a small launch aims for (two per SM of an H100 / H200) before blocks shrink."""
 MAX_GRID_Y = 65535
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -182,9 +185,12 @@ def target_array(out: torch.Tensor, vectorized: bool):
 
 
 def launch_rows(row_kernel, rows: int, width: int, chunk: int, *args) -> None:
-    """Launch a chunked row kernel over rows x width outputs on torch's stream."""
+    """Launch a chunked row kernel over rows x width outputs on torch's stream. Few rows
+    (decode) get blocks of down to MIN_BLOCK threads, so even one row spreads over several
+    SMs instead of queueing its loads on one."""
     chunks = -(-width // chunk)
-    block = min(BLOCK, -(-chunks // 32) * 32)
+    per_block = -(-chunks * rows // SPREAD_BLOCKS)
+    block = min(BLOCK, -(-chunks // 32) * 32, max(MIN_BLOCK, -(-per_block // 32) * 32))
     grid = (-(-chunks // block), min(rows, MAX_GRID_Y))
     launch_kernel(row_kernel, grid, block, *args)
 
