@@ -28,11 +28,16 @@ from layouts import QuantSpec
 from numba_kernels import interop
 from numba_kernels.fragments import CHUNK_N, SLAB_K, fast_path_supported
 from numba_kernels.gemm import GemmTile, activation_loads, make_grouped_gemm
+from numba_kernels.route_align import fusable
 
 from .config import MoEConfig
 
 TUNED_DIR = Path(__file__).parent / "tuned"
 DECODE_TOKENS_PER_EXPERT = 16
+FUSED_ROUTING_TOKENS = 4
+"""Up to this many tokens one block routes and aligns them in one launch (`route_align`):
+it routes tokens one after another, so the launch it saves (about 2 us) stops paying
+after a few tokens. An estimate from the separately measured kernels, not yet timed."""
 
 
 @attrs.frozen
@@ -97,6 +102,11 @@ def heuristic_backend(config: MoEConfig, num_tokens: int) -> Backend:
                        _decode_tile(config, num_tokens, h, config.intermediate_size))
     block_m = 64 if per_expert <= 256 else 128
     return Backend(block_m, _prefill_tile(block_m), _prefill_tile(block_m))
+
+
+def fused_routing(config: MoEConfig, num_tokens: int) -> bool:
+    """Whether routing and alignment of `num_tokens` tokens run as one launch."""
+    return num_tokens <= FUSED_ROUTING_TOKENS and fusable(config.num_experts)
 
 
 def shape_key(config: MoEConfig, spec: QuantSpec) -> str:

@@ -3,7 +3,7 @@
     check_inputs: validate the call's tensors against the config, weights and workspace;
     prepare:      pick the backend (oracle), take the workspace's views for this token
                   count, route (top-k of the router logits, unless given) and align the
-                  token slots to expert blocks;
+                  token slots to expert blocks (one launch for a few tokens);
     run:          gemm1 -> hooks -> activation -> gemm2 -> hooks -> combine (weighted
                   sum over each token's experts).
 
@@ -25,11 +25,12 @@ from numba_kernels.activation import activate
 from numba_kernels.align import moe_align_block_size
 from numba_kernels.combine import combine
 from numba_kernels.gemm import grouped_gemm
+from numba_kernels.route_align import route_and_align
 from numba_kernels.routing import LOGIT_DTYPES, route
 
 from .config import MoEConfig
 from .hooks import GemmStep, MoEHooks
-from .oracle import Backend, select_backend
+from .oracle import Backend, fused_routing, select_backend
 from .weights import ExpertWeights
 from .workspace import CallBuffers, Workspace
 
@@ -69,9 +70,9 @@ def check_inputs(config: MoEConfig, weights: ExpertWeights, workspace: Workspace
                  topk=None, correction_bias=None, check_ids: bool = True) -> Inputs:
     """Validate a call (see `fused_moe`) before any kernel runs; `check_ids` checks given
     topk_ids' values (a host sync)."""
-    if weights.config != config:
+    if weights.config is not config and weights.config != config:  # `is` first: eq compares every field
         raise ValueError("weights were built for another MoEConfig than the one given")
-    if workspace.config != config:
+    if workspace.config is not config and workspace.config != config:
         raise ValueError("the workspace was built for another MoEConfig than the one given")
     weights.check_loaded()
     half = getattr(torch, config.dtype)
@@ -120,15 +121,19 @@ def prepare(config: MoEConfig, weights: ExpertWeights, workspace: Workspace, inp
     tokens = inputs.hidden_states.shape[0]
     backend = select_backend(config, tokens, weights.spec)
     buffers = workspace.buffers(tokens, backend)
-    if inputs.router_logits is not None:
-        topk_weights, topk_ids = route(inputs.router_logits, config.routing, correction_bias=inputs.correction_bias,
-                                       out=(buffers.topk_weights, buffers.topk_ids))
+    topk = (buffers.topk_weights, buffers.topk_ids)
+    alignment = (buffers.sorted_token_ids, buffers.expert_ids, buffers.num_tokens_post_padded)
+    if inputs.router_logits is None:
+        topk = (inputs.topk_weights, inputs.topk_ids)
+    elif fused_routing(config, tokens):
+        route_and_align(inputs.router_logits, config.routing, backend.block_m, correction_bias=inputs.correction_bias,
+                        expert_map=workspace.expert_map, out_topk=topk, out_alignment=alignment)
+        return Prepared(config, backend, buffers, inputs.hidden_states, *topk)
     else:
-        topk_weights, topk_ids = inputs.topk_weights, inputs.topk_ids
-    moe_align_block_size(topk_ids, backend.block_m, config.num_experts, expert_map=workspace.expert_map,
-                         ignore_invalid_experts=False, check_ids=False,
-                         out=(buffers.sorted_token_ids, buffers.expert_ids, buffers.num_tokens_post_padded))
-    return Prepared(config, backend, buffers, inputs.hidden_states, topk_weights, topk_ids)
+        route(inputs.router_logits, config.routing, correction_bias=inputs.correction_bias, out=topk)
+    moe_align_block_size(topk[1], backend.block_m, config.num_experts, expert_map=workspace.expert_map,
+                         ignore_invalid_experts=False, check_ids=False, out=alignment)
+    return Prepared(config, backend, buffers, inputs.hidden_states, *topk)
 
 
 def run(prepared: Prepared, weights: ExpertWeights, hooks: MoEHooks | None = None) -> torch.Tensor:

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 
+import attrs
 import numpy as np
 import torch
 from numba import cuda, int32
@@ -108,6 +109,21 @@ def make_align_kernel(num_experts: int, block_size: int, threads: int, map_mode:
     """Kernel (topk_ids (N,), expert_map (E,) or any int32 stand-in, sorted_token_ids,
     expert_ids, num_tokens_post_padded, padded_len, block_count), launched with
     `launch_shape(N, E)`; `map_mode` is one of MAP_MODES."""
+    align_tile = make_tile_aligner(num_experts, block_size, threads, map_mode)
+
+    @ptx.kernel(launch_bounds=threads)
+    def align(topk_ids, expert_map, sorted_ids, expert_ids, num_post, padded_len, block_count):
+        align_tile(topk_ids, expert_map, sorted_ids, expert_ids, num_post, padded_len, block_count,
+                   int32(cuda.blockIdx.x), int32(cuda.gridDim.x))
+
+    return align
+
+
+@functools.cache
+def make_tile_aligner(num_experts: int, block_size: int, threads: int, map_mode: str):
+    """Device function align_tile(topk_ids, expert_map, sorted_ids, expert_ids, num_post,
+    padded_len, block_count, block, blocks): block `block` of `blocks` (of `threads` threads)
+    does its part of the alignment (all of it when blocks = 1); every thread must call it."""
     if map_mode not in MAP_MODES:
         raise ValueError(f"map_mode must be one of {MAP_MODES}, got {map_mode!r}")
     if threads % ROW or not ROW <= threads <= max_threads(num_experts):
@@ -135,8 +151,8 @@ def make_align_kernel(num_experts: int, block_size: int, threads: int, map_mode:
     def padded(count):
         return int32(u(count + (block_size - 1)) // u(block_size) * u(block_size))
 
-    @ptx.kernel(launch_bounds=threads)
-    def align(topk_ids, expert_map, sorted_ids, expert_ids, num_post, padded_len, block_count):
+    @ptx.device
+    def align_tile(topk_ids, expert_map, sorted_ids, expert_ids, num_post, padded_len, block_count, block, blocks):
         count = cuda.shared.array(scan_len, int32)
         size = cuda.shared.array(scan_len, int32)  # padded count
         inclusive = cuda.shared.array(experts, int32)  # inclusive prefix of sizes in a scan chunk
@@ -144,7 +160,7 @@ def make_align_kernel(num_experts: int, block_size: int, threads: int, map_mode:
         offset = cuda.shared.array(offsets_len, int32)
         slot_expert = cuda.shared.array(threads, int32)
         position = cuda.shared.array(matrix_shape, int32)  # row counts, then write positions
-        n, block, blocks = int32(topk_ids.shape[0]), int32(cuda.blockIdx.x), int32(cuda.gridDim.x)
+        n = int32(topk_ids.shape[0])
         tid = u(cuda.threadIdx.x)
         tile = (n + blocks - 1) // blocks
         start = block * tile
@@ -246,7 +262,7 @@ def make_align_kernel(num_experts: int, block_size: int, threads: int, map_mode:
                 sorted_ids[position[row, u(x)] + rank] = i
             cuda.syncthreads()
 
-    return align
+    return align_tile
 
 
 def _check_out(out, lengths):
@@ -273,6 +289,52 @@ def _check_id_values(ids: torch.Tensor, expert_map: torch.Tensor | None, num_exp
                          f"{int(expert_map.min())} to {int(expert_map.max())}")
 
 
+@attrs.frozen(eq=False)
+class AlignCall:
+    """A checked alignment call: ids, optional expert map, the output views and the sizes."""
+
+    ids: torch.Tensor
+    expert_map: torch.Tensor | None
+    sorted_ids: torch.Tensor
+    expert_ids: torch.Tensor
+    num_post: torch.Tensor
+    block_size: int
+    num_experts: int
+    map_mode: str
+
+    def kernel_arguments(self) -> tuple:
+        """The aligner's arguments: flat topk_ids, expert_map (or a stand-in), the outputs,
+        padded_len and block_count."""
+        emap = self.expert_map
+        if emap is None:  # a stand-in, never read; not the ids (the simulator copies each argument back)
+            emap = interop.stand_in(0, torch.int32, self.ids.device)
+        return (interop.to_kernel(self.ids.view(-1)), interop.to_kernel(emap), interop.to_kernel(self.sorted_ids), interop.to_kernel(self.expert_ids),
+                interop.to_kernel(self.num_post), self.sorted_ids.shape[0], self.expert_ids.shape[0])
+
+
+def check_alignment(topk_ids, block_size: int, num_experts: int, *, expert_map=None,
+                    ignore_invalid_experts: bool = False, out=None, check_ids: bool = True) -> AlignCall:
+    """Validate `moe_align_block_size`'s arguments (allocating outputs unless `out` is given)."""
+    _check_count("block_size", block_size, 1)
+    _check_count("num_experts", num_experts, 1, MAX_EXPERTS)
+    if not isinstance(ignore_invalid_experts, bool):
+        raise TypeError(f"ignore_invalid_experts must be a bool, got {ignore_invalid_experts!r}")
+    ids = interop.check_tensor("topk_ids", topk_ids, dtype=torch.int32, ndim=2)
+    emap = None
+    if expert_map is not None:
+        emap = interop.check_tensor("expert_map", expert_map, dtype=torch.int32, shape=(num_experts,))
+    padded_len, block_count = align_sizes(ids.numel(), num_experts, block_size)
+    if out is None:
+        sorted_ids, expert_ids, num_post = (interop.empty((length,), torch.int32)
+                                            for length in (padded_len, block_count, 1))
+    else:
+        sorted_ids, expert_ids, num_post = _check_out(out, (padded_len, block_count, 1))
+    if check_ids:
+        _check_id_values(ids, emap, num_experts)
+    map_mode = "none" if emap is None else ("drop" if ignore_invalid_experts else "map")
+    return AlignCall(ids, emap, sorted_ids, expert_ids, num_post, int(block_size), int(num_experts), map_mode)
+
+
 def moe_align_block_size(topk_ids, block_size: int, num_experts: int, *, expert_map=None,
                          ignore_invalid_experts: bool = False, out=None, check_ids: bool = True):
     """(sorted_token_ids, expert_ids, num_tokens_post_padded), int32 (module docstring).
@@ -285,36 +347,16 @@ def moe_align_block_size(topk_ids, block_size: int, num_experts: int, *, expert_
     prefixes are filled and returned as views (nothing is allocated). check_ids validates
     the id values with torch reductions, a host sync: the hot path passes False, and the
     kernel then drops invalid ids rather than writing out of bounds."""
-    _check_count("block_size", block_size, 1)
-    _check_count("num_experts", num_experts, 1, MAX_EXPERTS)
-    if not isinstance(ignore_invalid_experts, bool):
-        raise TypeError(f"ignore_invalid_experts must be a bool, got {ignore_invalid_experts!r}")
-    ids = interop.check_tensor("topk_ids", topk_ids, dtype=torch.int32, ndim=2)
-    emap = None
-    if expert_map is not None:
-        emap = interop.check_tensor("expert_map", expert_map, dtype=torch.int32, shape=(num_experts,))
-    numel = ids.numel()
-    padded_len, block_count = align_sizes(numel, num_experts, block_size)
-    if out is None:
-        sorted_ids, expert_ids, num_post = (interop.empty((length,), torch.int32)
-                                            for length in (padded_len, block_count, 1))
-    else:
-        sorted_ids, expert_ids, num_post = _check_out(out, (padded_len, block_count, 1))
-    if check_ids:
-        _check_id_values(ids, emap, num_experts)
+    call = check_alignment(topk_ids, block_size, num_experts, expert_map=expert_map,
+                           ignore_invalid_experts=ignore_invalid_experts, out=out, check_ids=check_ids)
+    numel = call.ids.numel()
     if numel == 0:
-        num_post.zero_()
-        return sorted_ids, expert_ids, num_post
-    map_mode = "none" if emap is None else ("drop" if ignore_invalid_experts else "map")
-    blocks, threads = launch_shape(numel, num_experts)
-    kernel = make_align_kernel(num_experts, block_size, threads, map_mode)
-    flat_ids = interop.to_kernel(ids.view(-1))
-    launch_kernel(
-        kernel, blocks, threads,
-        flat_ids, flat_ids if emap is None else interop.to_kernel(emap),  # a stand-in is never read
-        interop.to_kernel(sorted_ids), interop.to_kernel(expert_ids), interop.to_kernel(num_post),
-        padded_len, block_count)
-    return sorted_ids, expert_ids, num_post
+        call.num_post.zero_()
+    else:
+        blocks, threads = launch_shape(numel, num_experts)
+        kernel = make_align_kernel(num_experts, block_size, threads, call.map_mode)
+        launch_kernel(kernel, blocks, threads, *call.kernel_arguments())
+    return call.sorted_ids, call.expert_ids, call.num_post
 
 
 def reference_align(topk_ids, block_size: int, num_experts: int, expert_map=None,

@@ -221,8 +221,22 @@ def index_of(packed):
 
 @functools.cache
 def make_routing_kernel(config: RoutingConfig, num_experts: int, logits_dtype: str, bias_dtype: str | None):
-    """Kernel (logits (M, E), bias (E,) or any stand-in, weights (M, k) float32, ids (M, k)
-    int32), launched with one block of `block_threads(E)` threads per token."""
+    """Kernel (logits (M, E), bias (E,) or any stand-in, weights (M * k,) float32, ids
+    (M * k,) int32), launched with one block of `block_threads(E)` threads per token."""
+    route_token = make_token_router(config, num_experts, logits_dtype, bias_dtype)
+
+    @ptx.kernel(launch_bounds=block_threads(num_experts))
+    def route_tokens(logits, bias, weights_out, ids_out):
+        route_token(logits, bias, weights_out, ids_out, cuda.blockIdx.x)
+
+    return route_tokens
+
+
+@functools.cache
+def make_token_router(config: RoutingConfig, num_experts: int, logits_dtype: str, bias_dtype: str | None):
+    """Device function route_token(logits, bias, weights_out, ids_out, token): the block
+    (of `block_threads(E)` threads) routes one token into the flat (M * k,) outputs; every
+    thread must call it."""
     config.check_experts(num_experts)
     if num_experts > MAX_EXPERTS:
         raise ValueError(f"the number of experts must be <= {MAX_EXPERTS}, got {num_experts}")
@@ -244,8 +258,8 @@ def make_routing_kernel(config: RoutingConfig, num_experts: int, logits_dtype: s
     block_max, block_sum = _block_reduction(threads, _larger), _block_reduction(threads, _plus)
     neg_inf = float32(-np.inf)
 
-    @ptx.kernel(launch_bounds=threads)
-    def route_tokens(logits, bias, weights_out, ids_out):
+    @ptx.device
+    def route_token(logits, bias, weights_out, ids_out, token):
         logit = cuda.shared.array(experts, float32)
         expert_key = cuda.shared.array(padded_experts, uint64)
         reduce_buffer = cuda.shared.array(threads, float32)
@@ -255,7 +269,7 @@ def make_routing_kernel(config: RoutingConfig, num_experts: int, logits_dtype: s
         group_kept = cuda.shared.array(groups, int32)
         chosen = cuda.shared.array(top_k, int32)
         chosen_weight = cuda.shared.array(top_k, float32)
-        token, e = cuda.blockIdx.x, uint32(cuda.threadIdx.x)  # thread e owns expert e
+        e = uint32(cuda.threadIdx.x)  # thread e owns expert e
 
         # Score and selection key of this thread's expert.
         x = neg_inf
@@ -338,23 +352,43 @@ def make_routing_kernel(config: RoutingConfig, num_experts: int, logits_dtype: s
                 for j in range(top_k):
                     total += chosen_weight[j]
                 w = w / total
-            weights_out[token, e] = w * scale
-            ids_out[token, e] = chosen[e]
+            weights_out[token * top_k + e] = w * scale
+            ids_out[token * top_k + e] = chosen[e]
+        cuda.syncthreads()  # the shared arrays are reused by the block's next token
 
-    return route_tokens
+    return route_token
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return interop.HALF_NAMES.get(dtype, "float32")
 
 
-def route(router_logits, config: RoutingConfig, *, correction_bias=None, out=None):
-    """Top-k experts of each token: (topk_weights float32 (M, k), topk_ids int32 (M, k)).
+@attrs.frozen(eq=False)
+class RoutingCall:
+    """A checked routing call: tensors and the kernel arrays of the routing launch."""
 
-    router_logits: (M, E) float32, bfloat16 or float16; correction_bias: optional (E,) of the
-    same dtypes (DeepSeek-V3 `e_score_correction_bias`); out: an optional preallocated
-    (weights, ids) pair of exactly those shapes, filled and returned (nothing is allocated).
-    One launch on torch's current stream, no host synchronisation."""
+    config: RoutingConfig
+    logits: torch.Tensor
+    bias: torch.Tensor | None
+    weights: torch.Tensor
+    ids: torch.Tensor
+
+    def kernel_key(self) -> tuple:
+        """(config, experts, logits dtype name, bias dtype name or None): what the routing
+        code is generated from (`make_routing_kernel`, `make_token_router`)."""
+        return (self.config, self.logits.shape[1], _dtype_name(self.logits.dtype),
+                None if self.bias is None else _dtype_name(self.bias.dtype))
+
+    def kernel_arrays(self) -> tuple:
+        """(logits, bias, flat weights, flat ids) as the kernel takes them (logits stand in
+        for no bias)."""
+        logits = interop.to_kernel(self.logits)
+        bias = logits if self.bias is None else interop.to_kernel(self.bias)  # a stand-in is never read
+        return logits, bias, interop.to_kernel(self.weights.view(-1)), interop.to_kernel(self.ids.view(-1))
+
+
+def check_routing(router_logits, config: RoutingConfig, *, correction_bias=None, out=None) -> RoutingCall:
+    """Validate `route`'s arguments (allocating outputs unless `out` is given)."""
     if not isinstance(config, RoutingConfig):
         raise TypeError(f"config must be a RoutingConfig, got {type(config).__name__}")
     logits = interop.check_tensor("router_logits", router_logits, dtype=LOGIT_DTYPES, ndim=2)
@@ -373,16 +407,21 @@ def route(router_logits, config: RoutingConfig, *, correction_bias=None, out=Non
             raise TypeError(f"out must be a (topk_weights, topk_ids) pair, got {type(out).__name__}")
         weights = interop.check_tensor("out[0] (topk_weights)", out[0], dtype=torch.float32, shape=shape)
         ids = interop.check_tensor("out[1] (topk_ids)", out[1], dtype=torch.int32, shape=shape)
-    if tokens == 0:
-        return weights, ids
-    kernel = make_routing_kernel(config, experts, _dtype_name(logits.dtype),
-                                 None if bias is None else _dtype_name(bias.dtype))
-    logits_array = interop.to_kernel(logits)
-    bias_array = logits_array if bias is None else interop.to_kernel(bias)  # a stand-in is never read
-    launch_kernel(
-        kernel, tokens, block_threads(experts),
-        logits_array, bias_array, interop.to_kernel(weights), interop.to_kernel(ids))
-    return weights, ids
+    return RoutingCall(config, logits, bias, weights, ids)
+
+
+def route(router_logits, config: RoutingConfig, *, correction_bias=None, out=None):
+    """Top-k experts of each token: (topk_weights float32 (M, k), topk_ids int32 (M, k)).
+
+    router_logits: (M, E) float32, bfloat16 or float16; correction_bias: optional (E,) of the
+    same dtypes (DeepSeek-V3 `e_score_correction_bias`); out: an optional preallocated
+    (weights, ids) pair of exactly those shapes, filled and returned (nothing is allocated).
+    One launch on torch's current stream, no host synchronisation."""
+    call = check_routing(router_logits, config, correction_bias=correction_bias, out=out)
+    tokens, experts = call.logits.shape
+    if tokens:
+        launch_kernel(make_routing_kernel(*call.kernel_key()), tokens, block_threads(experts), *call.kernel_arrays())
+    return call.weights, call.ids
 
 
 def reference_route(logits, config: RoutingConfig, correction_bias=None):
