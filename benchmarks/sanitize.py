@@ -3,8 +3,9 @@
     compute-sanitizer --tool memcheck python3 benchmarks/sanitize.py
     compute-sanitizer --tool racecheck python3 benchmarks/sanitize.py
 
-Covers routing (softmax and grouped sigmoid), alignment, repack (checkpoint conversion),
-the grouped GEMM with decode and prefill tiles, activation, combine, LoRA and dequantize.
+Covers routing (softmax and grouped sigmoid), alignment, routing and alignment fused (3
+tokens), repack (checkpoint conversion), the grouped GEMM with decode and prefill tiles,
+activation, combine, LoRA and dequantize, each layer call twice (recorded, then replayed).
 """
 
 import numpy as np
@@ -27,7 +28,8 @@ def main() -> None:
     for tokens in (3, 128):  # decode tiles, then prefill tiles
         hidden = torch.randn(tokens, 256, generator=generator, device="cuda").to(torch.bfloat16)
         logits = torch.randn(tokens, 8, generator=generator, device="cuda")
-        layer(hidden, logits)
+        layer(hidden, logits)  # records the launches
+        layer(hidden, logits)  # replays them
     adapter = LoRAAdapter(*(torch.randn(shape, device="cuda").to(torch.bfloat16) * 0.1 for shape in
                             ((8, 4, 256), (8, 256, 4), (8, 4, 128), (8, 256, 4))))
     layer.hooks = LoRAHooks(config, [adapter], max_tokens=128)

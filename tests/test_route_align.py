@@ -57,3 +57,21 @@ def test_too_many_experts_for_one_block_are_refused():
     logits = torch.zeros((1, experts), device=DEVICE)
     with pytest.raises(ValueError, match="call route and moe_align_block_size"):
         route_and_align(logits, RoutingConfig(top_k=2), 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts, config", [
+    (128, RoutingConfig(top_k=8, renormalize=True)),
+    (256, RoutingConfig(top_k=8, scoring="sigmoid", renormalize=True, num_expert_group=8, topk_group=4,
+                        routed_scaling_factor=2.5)),
+], ids=["qwen3", "deepseek-v3"])
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_fused_routing_at_model_shapes(experts, config, tokens):
+    generator = torch.Generator(device=DEVICE).manual_seed(tokens)
+    logits = torch.randn(tokens, experts, generator=generator, device=DEVICE)
+    bias = torch.rand(experts, generator=generator, device=DEVICE) if config.scoring == "sigmoid" else None
+    fused = route_and_align(logits, config, 16, correction_bias=bias)
+    weights, ids = route(logits, config, correction_bias=bias)
+    separate = (weights, ids, *moe_align_block_size(ids, 16, experts, check_ids=False))
+    for got, expected in zip(fused, separate):
+        assert torch.equal(got, expected)
