@@ -1,6 +1,6 @@
 """The eager fast path: a forward's kernel launches recorded once, replayed per call.
 
-Launching a forward's six or seven kernels through Numba costs far more host time than
+Launching a forward's five or six kernels through Numba costs far more host time than
 the GPU spends on them at decode (see `numba_kernels.launch`). So the first forward of a
 given kind (token count, input dtypes and alignment, weights) runs the kernel wrappers
 as usual inside `launch.recording()`, and the recorded launches become a `Program`:
