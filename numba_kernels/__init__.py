@@ -4,7 +4,8 @@ Every kernel family lives in its own module with a factory (cached per spec and 
 configuration), a Python wrapper that validates torch tensors once and launches on
 torch's current stream, and a numpy reference the tests compare against. `ptx` holds
 the few PTX instructions Numba lacks (each with a simulator twin); `interop` turns
-tensors into kernel arrays; `launch` is the lean launch path.
+tensors into kernel arrays; `launch` launches every kernel and records and replays
+launches (the lean launch path); `route_align` fuses routing and alignment for decode.
 
 On a machine without a CUDA GPU, importing this package selects numba's CUDA simulator
 (unless NUMBA_ENABLE_CUDASIM is set either way), so every kernel still runs, slowly.
