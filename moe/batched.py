@@ -23,7 +23,7 @@ from numba_kernels.batched_align import batched_align, batched_sizes, check_coun
 from .config import MoEConfig
 from .oracle import select_batched_backend
 from .replay import ProgramCache
-from .runner import Prepared, run
+from .runner import Prepared, check_weights, run
 from .weights import ExpertWeights
 from .workspace import CallBuffers, gemm_out_elements, gemm_view, starts_within
 
@@ -58,7 +58,7 @@ class BatchedWorkspace:
             gemm2_out=gemm_view(gemm2, self.backend.gemm2.split_k, slots, config.hidden_size, half),
             output=empty((slots, config.hidden_size), half),
         )
-        self.programs = ProgramCache()  # recorded calls (see replay), one per weights and alignment
+        self.programs = ProgramCache()  # recorded calls (see replay), one per weights and input alignment
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` starts inside one of the workspace's buffers."""
@@ -70,9 +70,7 @@ def batched_moe(hidden_states, counts, weights: ExpertWeights, config: MoEConfig
     """(E, T, H) expert-major tokens and (E,) int32 valid rows per expert -> (E, T, H)
     expert outputs (a view of the workspace's output; see the module docstring).
     `check_counts` validates the counts (a host sync; pass False in graphs)."""
-    if weights.config != config:
-        raise ValueError("weights were built for another MoEConfig than the one given")
-    weights.check_loaded()
+    check_weights(config, weights)
     experts, half = config.num_local_experts, getattr(torch, config.dtype)
     hidden_states = interop.check_tensor("hidden_states", hidden_states, dtype=half, ndim=3)
     if hidden_states.shape[0] != experts or hidden_states.shape[2] != config.hidden_size:
@@ -96,6 +94,5 @@ def batched_moe(hidden_states, counts, weights: ExpertWeights, config: MoEConfig
         return run(Prepared(config, workspace.backend, buffers, rows, buffers.topk_weights, buffers.topk_ids), weights)
 
     rows = hidden_states.view(experts * tokens_per_expert, config.hidden_size)
-    kind = (id(weights), rows.data_ptr() % 16 == 0)
-    output = workspace.programs.run(kind, weights, sequence, (rows, counts), workspace.owns)
+    output = workspace.programs.run(rows.data_ptr() % 16 == 0, weights, sequence, (rows, counts), workspace.owns)
     return output.view(experts, tokens_per_expert, config.hidden_size)

@@ -116,8 +116,8 @@ def _program(calls, inputs, output) -> Program:
 
 
 class ProgramCache:
-    """Programs by call kind, least recently used dropped beyond `capacity`. An entry keeps
-    its weights alive, so the weights' id in a kind cannot be reused while it is cached."""
+    """Programs by weights and call kind, least recently used dropped beyond `capacity`.
+    An entry keeps its weights alive, so their id in its key cannot be reused meanwhile."""
 
     def __init__(self, capacity: int = 1024):
         self.capacity = capacity
@@ -146,11 +146,12 @@ class ProgramCache:
 
     def run(self, kind, weights, forward, inputs: Sequence[torch.Tensor | None],
             owned: Callable[[torch.Tensor], bool]) -> torch.Tensor:
-        """`forward(inputs)`: replayed if a call of this kind was recorded, else run and
-        recorded (see `record`)."""
-        program = self.get(kind)
+        """`forward(inputs)`: replayed if a call of this kind with these weights was
+        recorded, else run and recorded (see `record`)."""
+        key = (id(weights), kind)
+        program = self.get(key)
         if program is not None:
             return program.replay(inputs)
         output, program = record(forward, inputs, owned)
-        self.put(kind, program, weights)
+        self.put(key, program, weights)
         return output

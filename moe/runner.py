@@ -10,9 +10,10 @@
 `forward` is what both entry points call: it checks the inputs, then either replays the
 launches recorded by an earlier call of the same kind (`replay`: the eager fast path) or
 runs prepare + run, recording them. Every buffer comes from the persistent `Workspace`,
-every kernel launches on torch's current stream, and nothing synchronises the host, so
-after a warm-up call a forward allocates no device memory and can be captured in a CUDA
-graph. Inputs are validated once, before any kernel runs.
+every kernel launches on torch's current stream, and nothing synchronises the host (but
+the first recording's check in a process, see `replay`), so after a warm-up call a
+forward allocates no device memory and can be captured in a CUDA graph. Inputs are
+validated once, before any kernel runs.
 """
 
 from __future__ import annotations
@@ -52,11 +53,11 @@ class Inputs:
     def tensors(self) -> tuple:
         return (self.hidden_states, self.router_logits, self.correction_bias, self.topk_weights, self.topk_ids)
 
-    def kind(self, weights: ExpertWeights) -> tuple:
-        """What a recorded forward depends on besides the tensors' memory: calls of one kind
-        launch the same kernels on the same buffers."""
+    def kind(self) -> tuple:
+        """What a recorded forward depends on besides the weights and the tensors' memory:
+        calls of one kind launch the same kernels on the same buffers."""
         dtypes = tuple(None if t is None else t.dtype for t in (self.router_logits, self.correction_bias))
-        return id(weights), self.hidden_states.shape[0], self.hidden_states.data_ptr() % 16 == 0, dtypes
+        return self.hidden_states.shape[0], self.hidden_states.data_ptr() % 16 == 0, dtypes
 
 
 def check_expert_ids(config: MoEConfig, topk_ids: torch.Tensor) -> None:
@@ -66,15 +67,20 @@ def check_expert_ids(config: MoEConfig, topk_ids: torch.Tensor) -> None:
         raise ValueError(f"topk_ids must lie in [0, {config.num_experts}), got values from {low} to {high}")
 
 
+def check_weights(config: MoEConfig, weights: ExpertWeights) -> None:
+    """Raise unless `weights` were built for `config` and every local expert is loaded."""
+    if weights.config is not config and weights.config != config:  # `is` first: eq compares every field
+        raise ValueError("weights were built for another MoEConfig than the one given")
+    weights.check_loaded()
+
+
 def check_inputs(config: MoEConfig, weights: ExpertWeights, workspace: Workspace, hidden_states, router_logits=None, *,
                  topk=None, correction_bias=None, check_ids: bool = True) -> Inputs:
     """Validate a call (see `fused_moe`) before any kernel runs; `check_ids` checks given
     topk_ids' values (a host sync)."""
-    if weights.config is not config and weights.config != config:  # `is` first: eq compares every field
-        raise ValueError("weights were built for another MoEConfig than the one given")
+    check_weights(config, weights)
     if workspace.config is not config and workspace.config != config:
         raise ValueError("the workspace was built for another MoEConfig than the one given")
-    weights.check_loaded()
     half = getattr(torch, config.dtype)
     hidden_states = interop.check_tensor("hidden_states", hidden_states, dtype=half, ndim=2)
     tokens = hidden_states.shape[0]
@@ -123,16 +129,16 @@ def prepare(config: MoEConfig, weights: ExpertWeights, workspace: Workspace, inp
     buffers = workspace.buffers(tokens, backend)
     topk = (buffers.topk_weights, buffers.topk_ids)
     alignment = (buffers.sorted_token_ids, buffers.expert_ids, buffers.num_tokens_post_padded)
-    if inputs.router_logits is None:
-        topk = (inputs.topk_weights, inputs.topk_ids)
-    elif fused_routing(config, tokens):
+    if inputs.router_logits is not None and fused_routing(config, tokens):
         route_and_align(inputs.router_logits, config.routing, backend.block_m, correction_bias=inputs.correction_bias,
                         expert_map=workspace.expert_map, out_topk=topk, out_alignment=alignment)
-        return Prepared(config, backend, buffers, inputs.hidden_states, *topk)
     else:
-        route(inputs.router_logits, config.routing, correction_bias=inputs.correction_bias, out=topk)
-    moe_align_block_size(topk[1], backend.block_m, config.num_experts, expert_map=workspace.expert_map,
-                         ignore_invalid_experts=False, check_ids=False, out=alignment)
+        if inputs.router_logits is None:
+            topk = (inputs.topk_weights, inputs.topk_ids)
+        else:
+            route(inputs.router_logits, config.routing, correction_bias=inputs.correction_bias, out=topk)
+        moe_align_block_size(topk[1], backend.block_m, config.num_experts, expert_map=workspace.expert_map,
+                             ignore_invalid_experts=False, check_ids=False, out=alignment)
     return Prepared(config, backend, buffers, inputs.hidden_states, *topk)
 
 
@@ -166,10 +172,11 @@ def forward(config: MoEConfig, weights: ExpertWeights, workspace: Workspace, hid
                           correction_bias=correction_bias, check_ids=check_ids)
     if hooks is not None:  # hooks run arbitrary Python between the kernels: never replayed
         return run(prepare(config, weights, workspace, inputs), weights, hooks)
+
     def sequence(tensors):
         return run(prepare(config, weights, workspace, Inputs(*tensors)), weights)
 
-    return workspace.programs.run(inputs.kind(weights), weights, sequence, inputs.tensors, workspace.owns)
+    return workspace.programs.run(inputs.kind(), weights, sequence, inputs.tensors, workspace.owns)
 
 
 def fused_moe(hidden_states, router_logits, weights: ExpertWeights, config: MoEConfig, *,

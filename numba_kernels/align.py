@@ -298,8 +298,6 @@ class AlignCall:
     sorted_ids: torch.Tensor
     expert_ids: torch.Tensor
     num_post: torch.Tensor
-    block_size: int
-    num_experts: int
     map_mode: str
 
     def kernel_arguments(self) -> tuple:
@@ -308,8 +306,8 @@ class AlignCall:
         emap = self.expert_map
         if emap is None:  # a stand-in, never read; not the ids (the simulator copies each argument back)
             emap = interop.stand_in(0, torch.int32, self.ids.device)
-        return (interop.to_kernel(self.ids.view(-1)), interop.to_kernel(emap), interop.to_kernel(self.sorted_ids), interop.to_kernel(self.expert_ids),
-                interop.to_kernel(self.num_post), self.sorted_ids.shape[0], self.expert_ids.shape[0])
+        arrays = (self.ids.view(-1), emap, self.sorted_ids, self.expert_ids, self.num_post)
+        return (*map(interop.to_kernel, arrays), self.sorted_ids.shape[0], self.expert_ids.shape[0])
 
 
 def check_alignment(topk_ids, block_size: int, num_experts: int, *, expert_map=None,
@@ -332,7 +330,7 @@ def check_alignment(topk_ids, block_size: int, num_experts: int, *, expert_map=N
     if check_ids:
         _check_id_values(ids, emap, num_experts)
     map_mode = "none" if emap is None else ("drop" if ignore_invalid_experts else "map")
-    return AlignCall(ids, emap, sorted_ids, expert_ids, num_post, int(block_size), int(num_experts), map_mode)
+    return AlignCall(ids, emap, sorted_ids, expert_ids, num_post, map_mode)
 
 
 def moe_align_block_size(topk_ids, block_size: int, num_experts: int, *, expert_map=None,

@@ -60,7 +60,7 @@ def route_and_align(router_logits, config: RoutingConfig, block_size: int, *, co
     if routing.logits.shape[0] == 0:
         alignment.num_post.zero_()
     else:
-        kernel = make_route_align_kernel(routing.kernel_key(), alignment.block_size, alignment.map_mode)
+        kernel = make_route_align_kernel(routing.kernel_key(), int(block_size), alignment.map_mode)
         after_ids = alignment.kernel_arguments()[1:]  # its first, the flat ids, are the routing's last
         launch_kernel(kernel, 1, block_threads(experts), *routing.kernel_arrays(), *after_ids)
     return routing.weights, routing.ids, alignment.sorted_ids, alignment.expert_ids, alignment.num_post
