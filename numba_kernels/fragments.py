@@ -26,9 +26,16 @@ local arrays, which the compiler keeps in registers once its loops are unrolled)
     column_params(weights, e, group, c, lane, params)          # params[16]: scale, offset
     fetch(weights, e, s, c, lane, raw)                         # raw[raw_words]: the words
     decode(raw, params, weights, e, s, c, lane, frags)         # frags[16]: half pairs
+    multiplier = output_scale(weights, e)                      # float32 for the epilogue
 
 `fetch` is split from `decode` so the GEMM can issue the next slabs' loads before it
-spends time on the current ones.
+spends time on the current ones. With `prefetch_scales`, a Marlin-tile reader whose
+scales (and 4-bit zero points) sit lane-contiguous, as in `formats.native`, fetches the
+lane's eight scales with the weights (one 16- or 8-byte load) and builds the scale pairs
+in `decode`: no dependent load waits on a scale-group change. NVFP4's per-expert global
+scale then moves to the epilogue (`output_scale`), so an e2m1 code times its e4m3 block
+scale is exact in the half type. Without it, `column_params` reads the scales when the
+group changes (cheap when groups are long, as in prefill where every scale is reused).
 """
 
 from __future__ import annotations
@@ -36,7 +43,8 @@ from __future__ import annotations
 import functools
 
 import attrs
-from numba import float32, int32, uint32
+import numpy as np
+from numba import float32, int32, int64, uint32
 
 from layouts import E2M1, BitPack, Permute, QuantSpec, Tile, Transpose
 from layouts.formats import marlin_weight_perm
@@ -102,23 +110,77 @@ def fast_path_supported(spec: QuantSpec, half: str) -> bool:
 
 @attrs.frozen
 class FragmentReader:
-    """The four device functions of the module docstring, plus how many raw words `fetch`
-    returns per lane (4 for 4-bit Marlin tiles, 8 for 8-bit, 1 for index maps)."""
+    """The five device functions of the module docstring, plus how many raw words `fetch`
+    returns per lane (4 for 4-bit Marlin tiles, 8 for 8-bit, plus the scale words it
+    prefetches; 1 for index maps)."""
 
     group_of_slab: object
     column_params: object
     fetch: object
     decode: object
+    output_scale: object
     raw_words: int
     fast: bool
 
 
 @functools.cache
-def fragment_reader(spec: QuantSpec, n: int, k: int, half: str) -> FragmentReader:
+def fragment_reader(spec: QuantSpec, n: int, k: int, half: str, prefetch_scales: bool = False) -> FragmentReader:
     """The fastest reader of `spec` (logical shape (n, k)) for `half` activations."""
     if fast_path_supported(spec, half):
-        return _marlin_tile_reader(spec, n, k, half)
+        return _marlin_tile_reader(spec, n, k, half, prefetch_scales and lane_scales(spec, n, k, half) is not None)
     return _index_map_reader(spec, n, k, half)
+
+
+@attrs.frozen
+class LaneScales:
+    """Where a lane's eight scales of a (group, 64-column chunk) sit when they are
+    contiguous: row `group` of the (E * groups, row_elements) scales, elements
+    64 c + 8 g .. + 8 (g = lane // 4), in column order 2 j + h; 4-bit zero points, if
+    any, in word 8 c + g of their row, column m at bit `zero_shifts[m]`."""
+
+    groups: int
+    row_elements: int
+    scale_words: int  # 4 (16-bit scales) or 2 (fp8)
+    zero_row_words: int  # 0 without zero points
+    zero_shifts: tuple[int, ...]
+
+
+def _chunk_columns(n: int):
+    """Logical column n_, chunk c, lane group g and column slot m (= 2 j + h) of every n_ < n."""
+    n_ = np.arange(n)
+    return n_, n_ // CHUNK_N, n_ % 8, (n_ % CHUNK_N) // 8
+
+
+@functools.cache
+def lane_scales(spec: QuantSpec, n: int, k: int, half: str) -> LaneScales | None:
+    """The lane-contiguous scale placement of `spec`, checked through its own index maps
+    for every column and group, or None (then the reader reads scales one by one)."""
+    if spec.group_size is None or spec.g_idx_name is not None:
+        return None
+    fp8 = spec.scale_format.name == "float8_e4m3"
+    if not (fp8 and isinstance(spec.code, E2M1)) and spec.scale_format.name != half:
+        return None
+    if spec.code.bits == 8 and half == "bfloat16":
+        return None
+    groups = spec.groups(k)
+    n_, c, g, m = _chunk_columns(n)
+    group = np.arange(groups)[:, None]
+    rows, cols, _ = spec.scales.layout.locate((n, groups))(n_[None, :], group)
+    row_elements = spec.scales.layout.physical_shape((n, groups))[1]
+    if not (np.all(rows == group) and np.all(cols == 64 * c + 8 * g + m) and row_elements % CHUNK_N == 0):
+        return None
+    zero_row_words, zero_shifts = 0, ()
+    if spec.zeros is not None:
+        if spec.code.bits != 4:
+            return None
+        rows, cols, shifts = spec.zeros.layout.locate((n, groups))(n_[None, :], group)
+        zero_row_words = spec.zeros.layout.physical_shape((n, groups))[1]
+        shift_of_slot = [int(shifts[0, m == slot][0]) if np.any(m == slot) else 4 * slot for slot in range(8)]
+        if not (np.all(rows == group) and np.all(cols == 8 * c + g)
+                and np.all(shifts == np.array(shift_of_slot)[m][None, :])):
+            return None
+        zero_shifts = tuple(shift_of_slot)
+    return LaneScales(groups, row_elements, 2 if fp8 else 4, zero_row_words, zero_shifts)
 
 
 def _group_of_slab(spec: QuantSpec):
@@ -133,14 +195,16 @@ def _group_of_slab(spec: QuantSpec):
     return group_of_slab
 
 
-def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str) -> FragmentReader:
+def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, prefetch_scales: bool) -> FragmentReader:
     bits = marlin_tile_bits(spec)
     fp4 = isinstance(spec.code, E2M1)
     constants = HALF_CONSTANTS[half]
     fma2, pack2 = ptx.fma2(half), ptx.pack2(half)
+    load4, load2, load1 = ptx.load_words[4], ptx.load_words[2], ptx.load_words[1]
     read_scale, read_zero = scale_reader(spec, n, k), zero_reader(spec, n, k)
     global_multiplier = global_scale_reader(spec)
     size_n = n
+    slab_rows, slab_words = spec.weight.layout.physical_shape((n, k))
     words_per_chunk = CHUNK_N * SLAB_K * bits // 32
     words_per_lane = words_per_chunk // 32
     one, magic = uint32(constants.one), uint32(constants.int4_magic)
@@ -150,13 +214,28 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str) -> FragmentR
     # (params then hold float32 bits of the scale and the zero point).
     float32_codes = bits == 8 and half == "bfloat16"
     zero_pair = uint32(0)
+    # Prefetched scales (see LaneScales): raw[words_per_lane:] holds them, then the zero word.
+    lane = lane_scales(spec, n, k, half) if prefetch_scales else None
+    group_size = spec.group_size
+    scale_words = lane.scale_words if lane else 0
+    zero_words = 1 if lane and lane.zero_row_words else 0
+    groups, scale_row = (lane.groups, lane.row_elements) if lane else (1, 0)
+    zero_row, zero_shifts = (lane.zero_row_words, lane.zero_shifts) if lane else (0, ())
+    magic_bits = uint32(constants.int4_magic & 0xFFFF)
+    fixed_bits = int(ptx.round_to_half_bits(np.float64(-(constants.int4_magic_value + (spec.code.bias or 0))), half))
+    fixed_offset_pair = uint32(fixed_bits | fixed_bits << 16)
+    # e4m3 magnitude bits shifted into a half's exponent and mantissa, then 2**(bias
+    # difference): exact for every e4m3 value, subnormals included.
+    fp8_shift, fp8_unbias = (4, uint32(0x7B807B80)) if half == "bfloat16" else (7, uint32(0x5C005C00))
 
     @device
-    def column_params(weights, e, group, chunk, lane, params):
+    def column_params(weights, e, group, chunk, lane_id, params):
         """params[2 c], params[2 c + 1]: the scale pair and the minus (magic + zero point)
-        pair of the lane's column c (c = 2 j + h)."""
+        pair of the lane's column c (c = 2 j + h). Unused when scales are prefetched."""
+        if scale_words:
+            return
         weight, scales, zeros, g_idx, k_order, global_scale = weights
-        g = lane // 4
+        g = lane_id // 4
         multiplier = global_multiplier(global_scale, e)
         for column in range(8):
             n_ = chunk * CHUNK_N + 16 * (column // 2) + 8 * (column % 2) + g
@@ -173,12 +252,40 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str) -> FragmentR
                 params[2 * column + 1] = pack2(-offset, -offset)
 
     @device
-    def fetch(weights, e, slab, chunk, lane, raw):
-        weight = weights[0]
-        first = chunk * words_per_chunk + lane * words_per_lane
-        raw[0], raw[1], raw[2], raw[3] = ptx.load_u32x4(weight, e, slab, first)
+    def fetch(weights, e, slab, chunk, lane_id, raw):
+        first = (int64(e) * slab_rows + slab) * slab_words + chunk * words_per_chunk + lane_id * words_per_lane
+        raw[0], raw[1], raw[2], raw[3] = load4(weights[0], first)
         if words_per_lane == 8:
-            raw[4], raw[5], raw[6], raw[7] = ptx.load_u32x4(weight, e, slab, first + 4)
+            raw[4], raw[5], raw[6], raw[7] = load4(weights[0], first + 4)
+        if scale_words:
+            row = int64(e) * groups + uint32(slab) * uint32(SLAB_K) // uint32(group_size)
+            column = chunk * CHUNK_N + 8 * (lane_id // 4)
+            if scale_words == 4:
+                (raw[words_per_lane], raw[words_per_lane + 1], raw[words_per_lane + 2],
+                 raw[words_per_lane + 3]) = load4(weights[1], row * scale_row + column)
+            else:
+                raw[words_per_lane], raw[words_per_lane + 1] = load2(weights[1], row * scale_row + column)
+            if zero_words:
+                raw[words_per_lane + scale_words] = load1(weights[2], row * zero_row + column // 8)
+
+    @device
+    def lane_scale_pair(raw, column):
+        """The prefetched scale of `column` as a half pair."""
+        if scale_words == 2:
+            stored = (uint32(raw[words_per_lane + column // 4]) >> uint32(8 * (column % 4))) & uint32(0xFF)
+            bits16 = ((stored & uint32(0x80)) << uint32(8)) | ((stored & uint32(0x7F)) << uint32(fp8_shift))
+            return fma2(bits16 | (bits16 << uint32(16)), fp8_unbias, zero_pair)
+        bits16 = (uint32(raw[words_per_lane + column // 2]) >> uint32(16 * (column % 2))) & uint32(0xFFFF)
+        return bits16 | (bits16 << uint32(16))
+
+    @device
+    def lane_offset_pair(raw, column):
+        """Minus (magic + zero point) of `column` as a half pair."""
+        if zero_words:
+            zero = (uint32(raw[words_per_lane + scale_words]) >> uint32(zero_shifts[column])) & uint32(0xF)
+            bits16 = magic_bits | zero
+            return (bits16 | (bits16 << uint32(16))) ^ uint32(0x80008000)
+        return fixed_offset_pair
 
     @device
     def int_pair(raw, column, r, scale_pair, offset_pair):
@@ -202,25 +309,41 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str) -> FragmentR
         return fma2(fma2(shifted, unbias_pair, zero_pair), scale_pair, zero_pair)
 
     @device
-    def decode(raw, params, weights, e, slab, chunk, lane, frags):
+    def decode(raw, params, weights, e, slab, chunk, lane_id, frags):
         for column in range(8):
+            if scale_words:
+                scale_pair = lane_scale_pair(raw, column)
+                offset_pair = lane_offset_pair(raw, column) if not fp4 else zero_pair
+            else:
+                scale_pair, offset_pair = params[2 * column], params[2 * column + 1]
             for r in range(2):
                 if fp4:
-                    frags[2 * column + r] = fp4_pair(raw, column, r, params[2 * column])
+                    frags[2 * column + r] = fp4_pair(raw, column, r, scale_pair)
                 else:
-                    frags[2 * column + r] = int_pair(raw, column, r, params[2 * column], params[2 * column + 1])
+                    frags[2 * column + r] = int_pair(raw, column, r, scale_pair, offset_pair)
 
-    return FragmentReader(_group_of_slab(spec), column_params, fetch, decode, words_per_lane, True)
+    @device
+    def output_scale(weights, e):
+        if scale_words:
+            return global_multiplier(weights[5], e)
+        return float32(1.0)
+
+    return FragmentReader(_group_of_slab(spec) if not scale_words else _no_groups(), column_params, fetch, decode,
+                          output_scale, words_per_lane + scale_words + zero_words, True)
+
+
+def _no_groups():
+    @device
+    def group_of_slab(weights, e, slab):
+        return int32(0)
+
+    return group_of_slab
 
 
 def _index_map_reader(spec: QuantSpec, n: int, k: int, half: str) -> FragmentReader:
     read = element_reader(spec, n, k)
     pack2 = ptx.pack2(half)
     size_n, size_k = n, k
-
-    @device
-    def group_of_slab(weights, e, slab):
-        return int32(0)
 
     @device
     def column_params(weights, e, group, chunk, lane, params):
@@ -237,6 +360,10 @@ def _index_map_reader(spec: QuantSpec, n: int, k: int, half: str) -> FragmentRea
         return float32(0.0)
 
     @device
+    def output_scale(weights, e):
+        return float32(1.0)
+
+    @device
     def decode(raw, params, weights, e, slab, chunk, lane, frags):
         g, t = lane // 4, lane % 4
         for column in range(8):
@@ -245,4 +372,4 @@ def _index_map_reader(spec: QuantSpec, n: int, k: int, half: str) -> FragmentRea
                 kp = slab * SLAB_K + 2 * t + 8 * r
                 frags[2 * column + r] = pack2(value(weights, e, n_, kp), value(weights, e, n_, kp + 1))
 
-    return FragmentReader(group_of_slab, column_params, fetch, decode, 1, False)
+    return FragmentReader(_no_groups(), column_params, fetch, decode, output_scale, 1, False)

@@ -42,7 +42,7 @@ import functools
 import attrs
 import numpy as np
 import torch
-from numba import cuda, float32, int16, int32, uint32
+from numba import cuda, float32, int16, int32, int64, uint32
 
 from layouts import QuantSpec
 
@@ -112,8 +112,9 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     (cols = K / 2) with `pair_loads`, else int16 halves (cols = K; odd K, or K sorted by
     act-order groups, which gathers each element). `vector_a` stages prefill activations
     with 16-byte loads (pairs, K a multiple of 8, rows 16-byte aligned)."""
-    reader = fragment_reader(spec, n, k, half)
+    reader = fragment_reader(spec, n, k, half, prefetch_scales=not tile.a_in_shared)
     group_of_slab, column_params, fetch, decode = reader.group_of_slab, reader.column_params, reader.fetch, reader.decode
+    output_scale, load_word = reader.output_scale, ptx.load_words[1]
     mma, to_half = ptx.mma(half), ptx.to_half(half)
     stored_k = logical_k(spec)
     block_m, threads, a_in_shared = tile.block_m, tile.threads, tile.a_in_shared
@@ -139,6 +140,10 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     stage_units = block_m * units_per_row
     units_per_thread = -(-stage_units // threads) if a_in_shared else 1
     shared_rows = block_m if a_in_shared else 1
+    # Decode reads A pairs with one flat load each: padding rows read row 0 instead (their
+    # outputs are never stored, and an mma row depends on its own A row only).
+    flat_a = pair_loads and size_k % SLAB_K == 0
+    pairs_per_row = size_k // 2
 
     @ptx.device
     def activation_pair(act, k_order, expert, row, kp):
@@ -170,6 +175,12 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     # -- decode: A words fetched with the weights, straight from global memory -------------------
 
     @ptx.device
+    def a_word(act, weights, expert, row, kp):
+        if flat_a:
+            return load_word(act, int64(row) * pairs_per_row + (uint32(kp) >> uint32(1)))
+        return activation_pair(act, weights[4], expert, row, kp)
+
+    @ptx.device
     def fetch_batch(act, weights, expert, first_slab, end_slab, chunk, lane, rows, raw, a_raw):
         """Issue the loads of `depth` slabs (first_slab + d * warps_k): weight and A words."""
         t = lane % 4
@@ -179,10 +190,10 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                 fetch(weights, expert, slab, chunk, lane, raw[d])
                 kp = slab * SLAB_K + 2 * t
                 for mt in range(m_tiles):
-                    a_raw[d, mt, 0] = activation_pair(act, weights[4], expert, rows[mt, 0], kp)
-                    a_raw[d, mt, 1] = activation_pair(act, weights[4], expert, rows[mt, 1], kp)
-                    a_raw[d, mt, 2] = activation_pair(act, weights[4], expert, rows[mt, 0], kp + 8)
-                    a_raw[d, mt, 3] = activation_pair(act, weights[4], expert, rows[mt, 1], kp + 8)
+                    a_raw[d, mt, 0] = a_word(act, weights, expert, rows[mt, 0], kp)
+                    a_raw[d, mt, 1] = a_word(act, weights, expert, rows[mt, 1], kp)
+                    a_raw[d, mt, 2] = a_word(act, weights, expert, rows[mt, 0], kp + 8)
+                    a_raw[d, mt, 3] = a_word(act, weights, expert, rows[mt, 1], kp + 8)
 
     @ptx.device
     def multiply_batch(weights, expert, first_slab, end_slab, chunk, lane, raw, a_raw, params, frags, group, acc):
@@ -331,7 +342,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                 for mt in range(m_tiles):
                     for half_rows in range(2):
                         slot = slots[first_row + 16 * mt + g + 8 * half_rows]
-                        rows[mt, half_rows] = slot // rows_div if slot < num_slots else -1
+                        rows[mt, half_rows] = slot // rows_div if slot < num_slots else (0 if flat_a else -1)
                 a_raw_a = cuda.local.array((depth, m_tiles, 4), uint32)
                 a_raw_b = cuda.local.array((depth, m_tiles, 4), uint32)
                 step = warps_k * depth
@@ -364,13 +375,14 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                                 acc[mt, nt, c] += partial[other, team, ((mt * 8 + nt) * 4 + c) * 32 + lane]
 
         if wk == 0:
+            multiplier = output_scale(weights, expert) if expert >= 0 else float32(0.0)
             for mt in range(m_tiles):
                 for half_rows in range(2):
                     slot = slots[first_row + 16 * mt + g + 8 * half_rows]
                     if slot < num_slots:
-                        weight = float32(1.0)
+                        weight = multiplier
                         if mul_routed_weight:
-                            weight = topk_weights[slot]
+                            weight *= topk_weights[slot]
                         for nt in range(8):
                             for c in range(2):
                                 col = chunk * CHUNK_N + 8 * nt + 2 * t + c

@@ -13,6 +13,7 @@ helper                   PTX                                 used for
 ``half_to_f32(h)``       cvt.f32.f16 (bf16: a shift)         half bits -> float32
 ``f32_bits / bits_f32``  mov.b32 (libdevice bit casts)       integer bit tricks
 ``load_u32x4(a, ...)``   ld.global.nc.v4.u32                 16-byte weight loads
+``load_words[n](a, i)``  ld.global.nc{,.v2,.v4}.u32          n words at flat element i
 =======================  ==================================  ==========================
 
 Every helper has a pure-Python *twin* with the same semantics, chosen automatically under
@@ -253,6 +254,22 @@ def _twin_load_u32x4(array, i, j, k):
     return array[i, j, k], array[i, j, k + 1], array[i, j, k + 2], array[i, j, k + 3]
 
 
+def _twin_load_words(count: int):
+    def load(array, offset):
+        flat = array.reshape(-1)
+        size = flat.dtype.itemsize
+        per_word, mask = 4 // size, (1 << 8 * size) - 1
+        words = []
+        for w in range(count):
+            value = 0
+            for b in range(per_word):
+                value |= (int(flat[offset + w * per_word + b]) & mask) << (8 * size * b)
+            words.append(np.uint32(value))
+        return words[0] if count == 1 else tuple(words)
+
+    return load
+
+
 def _twin_f32_bits(x):
     return np.float32(x).view(np.uint32)
 
@@ -312,6 +329,38 @@ def _gpu_load_u32x4():
     return load_u32x4
 
 
+def _gpu_load_words(count: int):
+    from llvmlite import ir
+    from numba.cuda.extending import intrinsic
+
+    vector = {1: "", 2: ".v2", 4: ".v4"}[count]
+    outputs = ", ".join(f"${n}" for n in range(count))
+    asm = f"ld.global.nc{vector}.u32 {{{outputs}}}, [${count}];" if count > 1 else "ld.global.nc.u32 $0, [$1];"
+
+    @intrinsic
+    def load_words(typingctx, array, offset):
+        if not (isinstance(array, types.Array) and isinstance(array.dtype, types.Integer)
+                and array.layout == "C" and isinstance(offset, types.Integer)):
+            raise TypeError(f"load_words needs a C-contiguous integer array and an integer offset, got {array}, {offset}")
+        signature = (types.uint32 if count == 1 else types.UniTuple(types.uint32, count))(array, offset)
+
+        def codegen(context, builder, sig, args):
+            struct = context.make_array(sig.args[0])(context, builder, value=args[0])
+            index = context.cast(builder, args[1], sig.args[1], types.int64)
+            pointer = builder.gep(struct.data, [index])
+            i32 = ir.IntType(32)
+            result_type = i32 if count == 1 else ir.LiteralStructType([i32] * count)
+            load = ir.InlineAsm(ir.FunctionType(result_type, [pointer.type]), asm, ",".join(["=r"] * count + ["l"]))
+            loaded = builder.call(load, [pointer])
+            if count == 1:
+                return loaded
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(loaded, n) for n in range(count)])
+
+        return signature, codegen
+
+    return load_words
+
+
 # ---------------------------------------------------------------------------------------
 # Public selection: the helper for this mode.
 # ---------------------------------------------------------------------------------------
@@ -322,6 +371,10 @@ if SIMULATED:
 else:
     f32_bits, bits_f32 = _gpu_bit_casts()
     load_u32x4 = _gpu_load_u32x4()
+# load_words[n](array, offset): n = 1, 2 or 4 little-endian 32-bit words starting at flat
+# element `offset` of a C-contiguous integer array of any width (the address must be
+# aligned to the load's size); read-only cache path. No index arithmetic beyond one add.
+load_words = {n: (_twin_load_words if SIMULATED else _gpu_load_words)(n) for n in (1, 2, 4)}
 
 
 def _helper(half: str, twin, stem: str):

@@ -111,6 +111,29 @@ def test_bit_casts_and_sixteen_byte_loads_are_exact():
     np.testing.assert_array_equal(as_float, floats)
 
 
+@pytest.mark.parametrize("dtype", [np.int32, np.int16, np.uint8])
+def test_flat_word_loads_read_little_endian_words_of_any_integer_width(dtype):
+    load4, load2, load1 = ptx.load_words[4], ptx.load_words[2], ptx.load_words[1]
+
+    @ptx.kernel
+    def run(values, loaded):
+        i = cuda.threadIdx.x
+        per_word = 4 // values.itemsize
+        start = 4 * i * per_word
+        loaded[i, 0], loaded[i, 1], loaded[i, 2], loaded[i, 3] = load4(values, start)
+        loaded[i, 4], loaded[i, 5] = load2(values, start)
+        loaded[i, 6] = load1(values, start + 2 * per_word)
+
+    rng = np.random.default_rng(2)
+    values = rng.integers(0, 256, (3, 4, 16 * 4), dtype=np.int64).astype(np.uint8).view(dtype)
+    loaded = np.zeros((16, 7), np.uint32)
+    run[1, 16](values, loaded)
+    words = values.reshape(-1).view(np.uint32)[:64].reshape(16, 4)  # 16 threads x 4 words (little endian)
+    np.testing.assert_array_equal(loaded[:, :4], words)
+    np.testing.assert_array_equal(loaded[:, 4:6], words[:, :2])
+    np.testing.assert_array_equal(loaded[:, 6], words[:, 2])
+
+
 def test_half_rounding_reference_ties_to_even():
     # 1 + 2**-8 lies halfway between two bfloat16 neighbours: it rounds to the even one (1.0)
     assert round_to_half_bits(1 + 2.0**-8, "bfloat16") == 0x3F80
