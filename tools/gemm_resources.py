@@ -20,7 +20,7 @@ from layouts import QuantSpec, formats  # noqa: E402
 from layouts.strategies import random_quantized  # noqa: E402
 from numba_kernels.gemm import GemmTile, make_grouped_gemm  # noqa: E402
 
-DECODE = GemmTile(block_m=16, warps_k=4, slabs_per_warp=4, split_k=2)
+DECODE = GemmTile(block_m=16, warps_k=4, slabs_per_warp=2, split_k=2)
 PREFILL_64 = GemmTile(block_m=64, warps_m=2, warps_n=2, warps_k=1, slabs_per_warp=4, a_in_shared=True)
 PREFILL_128 = GemmTile(block_m=128, warps_m=4, warps_n=2, warps_k=1, slabs_per_warp=4, a_in_shared=True)
 CASES = [(formats.native(4, 128), DECODE), (formats.native(4, 128), PREFILL_64), (formats.native(4, 128), PREFILL_128),
