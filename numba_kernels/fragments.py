@@ -127,7 +127,7 @@ class FragmentReader:
 def fragment_reader(spec: QuantSpec, n: int, k: int, half: str, prefetch_scales: bool = False) -> FragmentReader:
     """The fastest reader of `spec` (logical shape (n, k)) for `half` activations."""
     if fast_path_supported(spec, half):
-        return _marlin_tile_reader(spec, n, k, half, prefetch_scales and lane_scales(spec, n, k, half) is not None)
+        return _marlin_tile_reader(spec, n, k, half, lane_scales(spec, n, k, half) if prefetch_scales else None)
     return _index_map_reader(spec, n, k, half)
 
 
@@ -195,7 +195,7 @@ def _group_of_slab(spec: QuantSpec):
     return group_of_slab
 
 
-def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, prefetch_scales: bool) -> FragmentReader:
+def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneScales | None) -> FragmentReader:
     bits = marlin_tile_bits(spec)
     fp4 = isinstance(spec.code, E2M1)
     constants = HALF_CONSTANTS[half]
@@ -214,8 +214,7 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, prefetch_sca
     # (params then hold float32 bits of the scale and the zero point).
     float32_codes = bits == 8 and half == "bfloat16"
     zero_pair = uint32(0)
-    # Prefetched scales (see LaneScales): raw[words_per_lane:] holds them, then the zero word.
-    lane = lane_scales(spec, n, k, half) if prefetch_scales else None
+    # Prefetched scales (`lane`, see LaneScales): raw[words_per_lane:] holds them, then the zero word.
     group_size = spec.group_size
     scale_words = lane.scale_words if lane else 0
     zero_words = 1 if lane and lane.zero_row_words else 0

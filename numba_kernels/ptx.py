@@ -12,7 +12,7 @@ helper                   PTX                                 used for
 ``to_half(x)``           cvt.rn.{bf16,f16}.f32               one float32 -> half bits
 ``half_to_f32(h)``       cvt.f32.f16 (bf16: a shift)         half bits -> float32
 ``f32_bits / bits_f32``  mov.b32 (libdevice bit casts)       integer bit tricks
-``load_u32x4(a, ...)``   ld.global.nc.v4.u32                 16-byte weight loads
+``load_u32x4(a, ...)``   load_words[4] at a[i, j, k]       16-byte loads by 3-D index
 ``load_words[n](a, i)``  ld.global.nc{,.v2,.v4}.u32          n words at flat element i
 =======================  ==================================  ==========================
 
@@ -40,7 +40,7 @@ import functools
 import threading
 
 import numpy as np
-from numba import config, cuda, float32, int32, types, uint32
+from numba import config, cuda, float32, int32, int64, types, uint32
 
 SIMULATED = bool(config.ENABLE_CUDASIM)
 
@@ -250,10 +250,6 @@ def _twin_mma(half: str):
     return mma
 
 
-def _twin_load_u32x4(array, i, j, k):
-    return array[i, j, k], array[i, j, k + 1], array[i, j, k + 2], array[i, j, k + 3]
-
-
 def _twin_load_words(count: int):
     def load(array, offset):
         flat = array.reshape(-1)
@@ -296,39 +292,6 @@ def _gpu_bit_casts():
     return f32_bits, bits_f32
 
 
-def _gpu_load_u32x4():
-    from llvmlite import ir
-    from numba.cuda import cgutils
-    from numba.cuda.extending import intrinsic
-
-    @intrinsic
-    def load_u32x4(typingctx, array, i, j, k):
-        """array[i, j, k:k+4] of a 3-D 32-bit array as one 16-byte read-only load
-        (k must be a multiple of 4 and rows 16-byte aligned)."""
-        if not (isinstance(array, types.Array) and array.ndim == 3 and array.dtype.bitwidth == 32
-                and isinstance(array.dtype, types.Integer)):
-            raise TypeError(f"load_u32x4 needs a 3-D 32-bit integer array, got {array}")
-        signature = types.UniTuple(array.dtype, 4)(array, i, j, k)
-
-        def codegen(context, builder, sig, args):
-            array_type = sig.args[0]
-            index_types = sig.args[1:]
-            indices = [context.cast(builder, value, index_type, types.intp)
-                       for value, index_type in zip(args[1:], index_types)]
-            struct = context.make_array(array_type)(context, builder, value=args[0])
-            pointer = cgutils.get_item_pointer(context, builder, array_type, struct, indices)
-            i32 = ir.IntType(32)
-            asm_type = ir.FunctionType(ir.LiteralStructType([i32] * 4), [pointer.type])
-            load = ir.InlineAsm(asm_type, "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l")
-            loaded = builder.call(load, [pointer])
-            return context.make_tuple(builder, sig.return_type,
-                                      [builder.extract_value(loaded, n) for n in range(4)])
-
-        return signature, codegen
-
-    return load_u32x4
-
-
 def _gpu_load_words(count: int):
     from llvmlite import ir
     from numba.cuda.extending import intrinsic
@@ -365,16 +328,20 @@ def _gpu_load_words(count: int):
 # Public selection: the helper for this mode.
 # ---------------------------------------------------------------------------------------
 
-if SIMULATED:
-    f32_bits, bits_f32 = _twin_f32_bits, _twin_bits_f32
-    load_u32x4 = _twin_load_u32x4
-else:
-    f32_bits, bits_f32 = _gpu_bit_casts()
-    load_u32x4 = _gpu_load_u32x4()
+f32_bits, bits_f32 = (_twin_f32_bits, _twin_bits_f32) if SIMULATED else _gpu_bit_casts()
 # load_words[n](array, offset): n = 1, 2 or 4 little-endian 32-bit words starting at flat
 # element `offset` of a C-contiguous integer array of any width (the address must be
 # aligned to the load's size); read-only cache path. No index arithmetic beyond one add.
 load_words = {n: (_twin_load_words if SIMULATED else _gpu_load_words)(n) for n in (1, 2, 4)}
+_load4 = load_words[4]
+
+
+@device
+def load_u32x4(array, i, j, k):
+    """array[i, j, k:k+4] of a 3-D C-contiguous 32-bit array as one 16-byte load (k a
+    multiple of 4, rows 16-byte aligned), as int32 words."""
+    w0, w1, w2, w3 = _load4(array, (int64(i) * array.shape[1] + j) * array.shape[2] + k)
+    return int32(w0), int32(w1), int32(w2), int32(w3)
 
 
 def _helper(half: str, twin, stem: str):
