@@ -6,7 +6,8 @@ times every candidate tile of gemm1 and of gemm2 on that alignment (CUDA-graph r
 L2 flushed), keeping the fastest pair; the block size with the smallest sum wins. The
 candidates are the oracle's own families (`candidate_tiles`): decode tiles (16-row
 blocks, A straight from global memory, K split over warps and CTAs) and prefill tiles
-(32 to 128-row blocks staged in shared memory). Weights are random bits in the kernel
+(32 to 128-row blocks staged in shared memory); a tile that the layout or the shared
+memory cannot take is skipped. Weights are random bits in the kernel
 layout: timing does not depend on their values.
 
     python -m moe.tune --experts 128 --top-k 8 --hidden 2048 --intermediate 768 --tokens 1 16 256 4096
@@ -35,23 +36,25 @@ from .workspace import gemm_out_elements, gemm_view
 Measure = Callable[[Callable[[], None], GemmTile], float]
 
 
+PREFILL_SHAPES = [  # (block_m, warps_m, warps_n, slabs_per_warp, stages): the best of a wider H200 sweep
+    (32, 1, 4, 2, 4), (64, 1, 4, 2, 4), (64, 1, 8, 2, 3), (128, 2, 4, 2, 3)]
+
+
 def candidate_tiles(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTile]:
-    """Tiles worth timing for `num_tokens` tokens and reduction length `k`."""
+    """Tiles worth timing for `num_tokens` tokens and reduction length `k` (some may not
+    fit a layout or shared memory: `tune` skips those)."""
     per_expert = num_tokens * config.top_k / config.num_local_experts
     slabs = -(-k // SLAB_K)
     tiles = []
     if per_expert <= 64:
         for warps_k in (2, 4):
-            for depth in (2, 4):
-                for split_k in (1, 2, 4, 8):
-                    if split_k == 1 or slabs // split_k >= warps_k * depth:
-                        tiles.append(GemmTile(block_m=16, warps_k=warps_k, slabs_per_warp=depth, split_k=split_k))
+            for split_k in (1, 2, 4, 8):
+                if split_k == 1 or slabs // split_k >= warps_k * 2:
+                    tiles.append(GemmTile(block_m=16, warps_k=warps_k, slabs_per_warp=2, split_k=split_k))
     if per_expert > 4:
-        for block_m in (32, 64, 128):
-            for warps_n in (1, 2):
-                for depth in (2, 4):
-                    tiles.append(GemmTile(block_m=block_m, warps_m=max(block_m // 32, 1), warps_n=warps_n,
-                                          slabs_per_warp=depth, a_in_shared=True))
+        for block_m, warps_m, warps_n, depth, stages in PREFILL_SHAPES:
+            tiles.append(GemmTile(block_m=block_m, warps_m=warps_m, warps_n=warps_n, warps_k=1, slabs_per_warp=depth,
+                                  stages=stages, a_in_shared=True))
     return tiles
 
 
@@ -97,8 +100,10 @@ def cuda_graph_measure(repeats: int = 20) -> Measure:
 
 def tune(config: MoEConfig, token_counts: Iterable[int], *, measure: Measure | None = None,
          candidates: Callable[[int, MoEConfig, int], list[GemmTile]] = candidate_tiles, seed: int = 0,
-         progress: bool = True) -> dict[int, Backend]:
-    """The fastest backend per token count (see the module docstring)."""
+         progress: bool = True, report: Callable[[int, str, GemmTile, float | None], None] | None = None
+         ) -> dict[int, Backend]:
+    """The fastest backend per token count (see the module docstring); `report` sees every
+    measurement (token count, "gemm1" or "gemm2", tile, ms or None when skipped)."""
     measure = measure or cuda_graph_measure()
     weights = ExpertWeights(config)
     weights.fill_random(seed)
@@ -126,7 +131,16 @@ def tune(config: MoEConfig, token_counts: Iterable[int], *, measure: Measure | N
                 def run(tile=tile, act=act, stored=stored, alignment=alignment, out=out):
                     grouped_gemm(act, stored, *alignment, num_slots=slots, tile=tile, out=out)
 
-                ms = measure(run, tile)
+                try:
+                    ms = measure(run, tile)
+                except ValueError as error:  # a tile this layout or shared memory cannot take
+                    if report:
+                        report(tokens, stage, tile, None)
+                    if bar:
+                        bar.step(f"{stage} skipped: {error}")
+                    continue
+                if report:
+                    report(tokens, stage, tile, ms)
                 previous = timings.setdefault(tile.block_m, {}).get(stage)
                 if previous is None or ms < previous[0]:
                     timings[tile.block_m][stage] = (ms, tile)
@@ -161,12 +175,17 @@ def main(argv=None) -> None:
     parser.add_argument("--format", default="native", choices=["native", "nvfp4"])
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16, 64, 256, 1024, 4096])
+    parser.add_argument("--verbose", action="store_true", help="print every measurement")
     args = parser.parse_args(argv)
     quant = QuantScheme("nvfp4") if args.format == "nvfp4" else QuantScheme("native", bits=4,
                                                                              group_size=args.group_size)
     config = MoEConfig(num_experts=args.experts, top_k=args.top_k, hidden_size=args.hidden,
                        intermediate_size=args.intermediate, quant=quant)
-    backends = tune(config, args.tokens)
+    def report(tokens, stage, tile, ms):
+        if args.verbose:
+            print(f"M={tokens} {stage} {'skipped' if ms is None else f'{ms:.4f} ms'} {tile}", flush=True)
+
+    backends = tune(config, args.tokens, report=report)
     for tokens, backend in backends.items():
         print(f"M={tokens}: {backend}")
     print(f"saved to {save(config, backends)}")

@@ -138,7 +138,7 @@ class LaneScales:
     64 c + 8 g .. + 8 (g = lane // 4), in column order 2 j + h; 4-bit zero points, if
     any, in word 8 c + g of their row, column m at bit `zero_shifts[m]`."""
 
-    groups: int
+    groups: int  # scale rows per expert (ceil(K / group_size), 1 channel-wise)
     row_elements: int
     scale_words: int  # 4 (16-bit scales) or 2 (fp8)
     zero_row_words: int  # 0 without zero points
@@ -155,7 +155,7 @@ def _chunk_columns(n: int):
 def lane_scales(spec: QuantSpec, n: int, k: int, half: str) -> LaneScales | None:
     """The lane-contiguous scale placement of `spec`, checked through its own index maps
     for every column and group, or None (then the reader reads scales one by one)."""
-    if spec.group_size is None or spec.g_idx_name is not None:
+    if spec.g_idx_name is not None:
         return None
     fp8 = spec.scale_format.name == "float8_e4m3"
     if not (fp8 and isinstance(spec.code, E2M1)) and spec.scale_format.name != half:
@@ -166,15 +166,18 @@ def lane_scales(spec: QuantSpec, n: int, k: int, half: str) -> LaneScales | None
     n_, c, g, m = _chunk_columns(n)
     group = np.arange(groups)[:, None]
     rows, cols, _ = spec.scales.layout.locate((n, groups))(n_[None, :], group)
-    row_elements = spec.scales.layout.physical_shape((n, groups))[1]
-    if not (np.all(rows == group) and np.all(cols == 64 * c + 8 * g + m) and row_elements % CHUNK_N == 0):
+    physical_rows, row_elements = spec.scales.layout.physical_shape((n, groups))
+    if not (physical_rows == groups and np.all(rows == group) and np.all(cols == 64 * c + 8 * g + m)
+            and row_elements % CHUNK_N == 0):
         return None
     zero_row_words, zero_shifts = 0, ()
     if spec.zeros is not None:
         if spec.code.bits != 4:
             return None
         rows, cols, shifts = spec.zeros.layout.locate((n, groups))(n_[None, :], group)
-        zero_row_words = spec.zeros.layout.physical_shape((n, groups))[1]
+        zero_rows, zero_row_words = spec.zeros.layout.physical_shape((n, groups))
+        if zero_rows != groups:
+            return None
         shift_of_slot = [int(shifts[0, m == slot][0]) if np.any(m == slot) else 4 * slot for slot in range(8)]
         if not (np.all(rows == group) and np.all(cols == 8 * c + g)
                 and np.all(shifts == np.array(shift_of_slot)[m][None, :])):
@@ -215,7 +218,7 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
     float32_codes = bits == 8 and half == "bfloat16"
     zero_pair = uint32(0)
     # Prefetched scales (`lane`, see LaneScales): raw[words_per_lane:] holds them, then the zero word.
-    group_size = spec.group_size
+    group_size = spec.group_size or SLAB_K * -(-k // SLAB_K)  # channel-wise: one group
     scale_words = lane.scale_words if lane else 0
     zero_words = 1 if lane and lane.zero_row_words else 0
     groups, scale_row = (lane.groups, lane.row_elements) if lane else (1, 0)
@@ -329,6 +332,135 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
 
     return FragmentReader(_group_of_slab(spec) if not scale_words else _no_groups(), column_params, fetch, decode,
                           output_scale, words_per_lane + scale_words + zero_words, True)
+
+
+@attrs.frozen
+class StagedWeights:
+    """One pipeline stage of a CTA's weights in shared memory (the prefill GEMM): the
+    weight words of `slabs` slabs x `chunks` 64-feature chunks, as stored (a lane's 16
+    bytes stay contiguous), then the scale rows of the stage's groups restricted to those
+    chunks, then their zero-point words; `stage_words` uint32 words per stage buffer.
+
+    plan(e, first_chunk, thread, sources): once per CTA, fill this thread's
+        `copies_per_thread` source offsets (int64, -1 for none);
+    copy(weights, sources, first_slab, end_slab, tiles, buffer, thread): this thread's
+        share of a stage's 16-byte `copy_async` copies (zeros past end_slab or the last
+        group; chunks past N are not copied, and no warp reads them);
+    fetch(tiles, buffer, local_slab, local_chunk, lane, raw): the lane's words of one
+        slab-chunk in the order the reader's `fetch` gives them, so its `decode` applies.
+    """
+
+    stage_words: int
+    copies_per_thread: int
+    plan: object
+    copy: object
+    fetch: object
+
+
+def staging_supported(spec: QuantSpec, n: int, k: int, half: str, stage_slabs: int) -> bool:
+    """Whether the prefill GEMM can stage `spec` through shared memory: Marlin tiles whose
+    scales sit lane-contiguous (`lane_scales`), rows of whole 16-byte units, K in whole
+    slabs and scale groups that a stage never straddles."""
+    lane = lane_scales(spec, n, k, half) if fast_path_supported(spec, half) else None
+    if lane is None or k % SLAB_K or lane.zero_row_words % 4:
+        return False
+    stage_k, group_size = stage_slabs * SLAB_K, spec.group_size
+    return group_size is None or group_size % stage_k == 0 or stage_k % group_size == 0
+
+
+@functools.cache
+def staged_weights(spec: QuantSpec, n: int, k: int, half: str, chunks: int, slabs: int, threads: int) -> StagedWeights:
+    """The stage copies and shared-memory fetches of `spec` for CTAs of `threads` threads
+    owning `chunks` chunks, `slabs` slabs per stage (see `staging_supported`)."""
+    if not staging_supported(spec, n, k, half, slabs):
+        raise ValueError(f"{spec.name} (N={n}, K={k}) cannot be staged through shared memory in stages of {slabs} slabs")
+    lane = lane_scales(spec, n, k, half)
+    bits = marlin_tile_bits(spec)
+    copy_async = ptx.copy_async
+    shared4, shared2, shared1 = ptx.load_shared[4], ptx.load_shared[2], ptx.load_shared[1]
+    slab_rows, slab_words = spec.weight.layout.physical_shape((n, k))
+    words_per_chunk = CHUNK_N * SLAB_K * bits // 32
+    words_per_lane = words_per_chunk // 32
+    n_chunks = -(-n // CHUNK_N)
+    stage_k = slabs * SLAB_K
+    group_size = spec.group_size or stage_k * -(-k // stage_k)  # channel-wise: one group
+    stage_groups = max(1, stage_k // group_size)
+    groups, row_elements, zero_row = lane.groups, lane.row_elements, lane.zero_row_words
+    scale_words, zero_words = lane.scale_words, int(lane.zero_row_words > 0)
+    chunk_scale_words = CHUNK_N * scale_words // 8  # a chunk's 64 scales (2 or 1 bytes each), in words
+    element_per_unit = 16 // (2 if scale_words == 4 else 1)
+    # Units of 16 bytes: weights, then scales, then zero points.
+    weight_units = slabs * chunks * words_per_chunk // 4
+    scale_units = stage_groups * chunks * chunk_scale_words // 4
+    zero_units = stage_groups * chunks * 2 * zero_words
+    weight_words, scale_total = 4 * weight_units, 4 * scale_units
+    stage_words = weight_words + scale_total + 4 * zero_units
+    units = weight_units + scale_units + zero_units
+    copies_per_thread = -(-units // threads)
+    units_per_slab = chunks * words_per_chunk // 4
+    group_scale_units = scale_units // stage_groups
+
+    @device
+    def plan(e, first_chunk, thread, sources):
+        """Once per CTA: the flat source element of each of this thread's copies in the
+        stage of slab 0 (-1: none, or past N), so a stage's copy is one add away."""
+        for i in range(copies_per_thread):
+            unit = uint32(thread) + uint32(i * threads)  # unsigned: divisions by constants stay cheap
+            sources[i] = int64(-1)
+            if unit < uint32(weight_units):
+                word = first_chunk * words_per_chunk + 4 * (unit % uint32(units_per_slab))
+                if word < n_chunks * words_per_chunk:
+                    sources[i] = int64(e * slab_rows + unit // uint32(units_per_slab)) * slab_words + word
+            elif unit < uint32(weight_units + scale_units):
+                u = unit - uint32(weight_units)
+                element = first_chunk * CHUNK_N + element_per_unit * (u % uint32(group_scale_units))
+                if element < n_chunks * CHUNK_N:
+                    sources[i] = int64(e * groups + u // uint32(group_scale_units)) * row_elements + element
+            elif unit < uint32(units):
+                u = unit - uint32(weight_units + scale_units)
+                word = first_chunk * 8 + 4 * (u % uint32(2 * chunks))
+                if word < n_chunks * 8:
+                    sources[i] = int64(e * groups + u // uint32(2 * chunks)) * zero_row + word
+
+    @device
+    def copy(weights, sources, first_slab, end_slab, tiles, buffer, thread):
+        base = buffer * stage_words
+        first_group = first_slab * SLAB_K // group_size
+        for i in range(copies_per_thread):
+            unit = uint32(thread) + uint32(i * threads)
+            if sources[i] >= 0:
+                if unit < uint32(weight_units):
+                    present = first_slab + unit // uint32(units_per_slab) < end_slab
+                    source, array = sources[i] + first_slab * slab_words, weights[0]
+                    copy_async(tiles, base + 4 * unit, array, source if present else int64(0), 16 if present else 0)
+                elif unit < uint32(weight_units + scale_units):
+                    present = first_group + (unit - uint32(weight_units)) // uint32(group_scale_units) < groups
+                    source = sources[i] + first_group * row_elements
+                    copy_async(tiles, base + 4 * unit, weights[1], source if present else int64(0), 16 if present else 0)
+                else:
+                    present = first_group + (unit - uint32(weight_units + scale_units)) // uint32(2 * chunks) < groups
+                    source = sources[i] + first_group * zero_row
+                    copy_async(tiles, base + 4 * unit, weights[2], source if present else int64(0), 16 if present else 0)
+
+    @device
+    def fetch(tiles, buffer, local_slab, local_chunk, lane_id, raw):
+        base = buffer * stage_words
+        first = base + (local_slab * chunks + local_chunk) * words_per_chunk + lane_id * words_per_lane
+        raw[0], raw[1], raw[2], raw[3] = shared4(tiles, first)
+        if words_per_lane == 8:
+            raw[4], raw[5], raw[6], raw[7] = shared4(tiles, first + 4)
+        column = (local_slab * SLAB_K // group_size if stage_groups > 1 else 0) * chunks + local_chunk
+        scales = base + weight_words + column * chunk_scale_words + (lane_id // 4) * scale_words
+        if scale_words == 4:
+            (raw[words_per_lane], raw[words_per_lane + 1], raw[words_per_lane + 2],
+             raw[words_per_lane + 3]) = shared4(tiles, scales)
+        else:
+            raw[words_per_lane], raw[words_per_lane + 1] = shared2(tiles, scales)
+        if zero_words:
+            raw[words_per_lane + scale_words] = shared1(tiles, base + weight_words + scale_total + column * 8
+                                                                + lane_id // 4)
+
+    return StagedWeights(stage_words, copies_per_thread, plan, copy, fetch)
 
 
 def _no_groups():

@@ -18,14 +18,18 @@ fetches its lane's weight words (`fragments`), turns them into 8 B fragments and
 `(block_m / warps_m / 16) x 8` mma.m16n8k16 into float32 accumulators. Weight loads are
 double-buffered: `slabs_per_warp` slabs are in flight while the previous ones are used.
 
-The A operand (activations) comes from one of two places, a tile option:
+The operands come from one of two places, a tile option:
 
-* global memory (decode, `a_in_shared=False`): each lane loads its few A words straight
-  from the (L1/L2-resident) activation rows; no barrier in the main loop, so every warp
-  streams its weights independently;
-* shared memory (prefill, `a_in_shared=True`): per stage of `warps_k * slabs_per_warp`
-  slabs the CTA gathers the block's activations as half pairs (rows padded by 4 words so
-  fragment reads hit 32 different banks) and every warp reuses them.
+* global memory (decode, `a_in_shared=False`): each lane loads its weight words and its
+  few A words straight from global memory (activations are L1/L2-resident); no barrier
+  in the main loop, so every warp streams its weights independently;
+* shared memory (prefill, `a_in_shared=True`): a `stages`-deep pipeline of `cp.async`
+  copies brings each stage of `warps_k * slabs_per_warp` slabs into shared memory -- the
+  block's activation rows (padded by 4 words so that `ldmatrix` rows hit 32 different
+  banks) and the CTA's weight words, scales and zero points as stored
+  (`fragments.staged_weights`) -- while the warps multiply an earlier stage: A fragments
+  by `ldmatrix`, B fragments decoded from shared words. Each warp's 16-row m tiles reuse
+  every decoded B fragment, so wide warps (64 rows) amortise the dequantisation.
 
 The first warp of each `warps_k` team writes the tile: half outputs (one K split) or
 float32 partials (split_k, slots, N) that the next kernel sums in a fixed order
@@ -49,7 +53,7 @@ from layouts import QuantSpec
 from . import interop, ptx
 from .launch import launch_kernel
 from .elements import logical_k
-from .fragments import CHUNK_N, SLAB_K, fragment_reader
+from .fragments import CHUNK_N, SLAB_K, fragment_reader, staged_weights, staging_supported
 from .weights import KernelWeights
 
 
@@ -68,8 +72,9 @@ class GemmTile:
     warps_k:        warps that split each stage's slabs and add up at the end.
     slabs_per_warp: slabs of 16 input features a warp takes per stage (loads in flight).
     split_k:        CTAs along K; above 1 the output is float32 partials per split.
-    a_in_shared:    stage activations through shared memory (prefill) or read A fragments
-                    from global memory (decode).
+    a_in_shared:    stage both operands through shared memory (prefill) or read them from
+                    global memory (decode).
+    stages:         buffers of the prefill pipeline (stages - 1 copies in flight).
     """
 
     block_m: int = attrs.field(default=16, validator=_positive_power_of_two)
@@ -79,6 +84,8 @@ class GemmTile:
     slabs_per_warp: int = attrs.field(default=2, validator=_positive_power_of_two)
     split_k: int = attrs.field(default=1, validator=_positive_power_of_two)
     a_in_shared: bool = False
+    stages: int = attrs.field(default=3, validator=attrs.validators.and_(attrs.validators.ge(2),
+                                                                          attrs.validators.le(8)))
 
     def __attrs_post_init__(self):
         if self.block_m < 16 or self.block_m % (16 * self.warps_m):
@@ -102,22 +109,26 @@ class GemmTile:
         return num_blocks, -(-n // self.block_n), self.split_k
 
 
+SHARED_MEMORY_BYTES = 48 * 1024  # static shared memory a kernel may declare
+
+
 @functools.cache
 def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str, partial_output: bool,
-                      mul_routed_weight: bool, pair_loads: bool = False, vector_a: bool = False):
+                      mul_routed_weight: bool, pair_loads: bool = False):
     """The grouped GEMM for weights stored as `spec` (logical (n, k) per expert), `half`
     activations, `tile`; float32 partials or `half` outputs.
 
     The kernel takes activations as a 3-D (1, rows, cols) array: int32 half pairs
     (cols = K / 2) with `pair_loads`, else int16 halves (cols = K; odd K, or K sorted by
-    act-order groups, which gathers each element). `vector_a` stages prefill activations
-    with 16-byte loads (pairs, K a multiple of 8, rows 16-byte aligned)."""
-    reader = fragment_reader(spec, n, k, half, prefetch_scales=not tile.a_in_shared)
+    act-order groups, which gathers each element). A prefill tile (`a_in_shared`) needs
+    pairs, rows 16-byte aligned and weights that `fragments.staging_supported` accepts."""
+    reader = fragment_reader(spec, n, k, half, prefetch_scales=True)
     group_of_slab, column_params, fetch, decode = reader.group_of_slab, reader.column_params, reader.fetch, reader.decode
     output_scale, load_word = reader.output_scale, ptx.load_words[1]
     mma, to_half = ptx.mma(half), ptx.to_half(half)
+    copy_async, ldmatrix4 = ptx.copy_async, ptx.ldmatrix4
     stored_k = logical_k(spec)
-    block_m, threads, a_in_shared = tile.block_m, tile.threads, tile.a_in_shared
+    block_m, threads, a_in_shared, stages = tile.block_m, tile.threads, tile.a_in_shared, tile.stages
     warps_n, warps_k, depth, stage_slabs = tile.warps_n, tile.warps_k, tile.slabs_per_warp, tile.stage_slabs
     warp_rows = block_m // tile.warps_m
     m_tiles = warp_rows // 16
@@ -131,19 +142,30 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     raw_words = reader.raw_words
     reduce_warps = max(warps_k - 1, 1)
     reduce_values = m_tiles * 8 * 4 * 32 if warps_k > 1 else 1  # accumulators of one warp
-    # Prefill staging: a stage is stage_words half pairs per row, moved in units of
-    # unit_words words (4: one 16-byte load) by every thread, through registers.
-    stage_words = stage_slabs * SLAB_K // 2
-    row_words = stage_words + 4  # padding: fragment reads of 8 rows x 4 words hit 32 banks
-    unit_words = 4 if vector_a else 1
-    units_per_row = stage_words // unit_words
-    stage_units = block_m * units_per_row
-    units_per_thread = -(-stage_units // threads) if a_in_shared else 1
-    shared_rows = block_m if a_in_shared else 1
     # Decode reads A pairs with one flat load each: padding rows read row 0 instead (their
     # outputs are never stored, and an mma row depends on its own A row only).
     flat_a = pair_loads and size_k % SLAB_K == 0
     pairs_per_row = size_k // 2
+    # Prefill: a stage's activations are block_m rows of row_words words, copied in
+    # 16-byte units (4 per slab and row); its weights are `staged` words per buffer.
+    row_words = stage_slabs * SLAB_K // 2 + 4  # padding: ldmatrix's 8 rows x 16 bytes hit 32 banks
+    a_units_per_row = stage_slabs * SLAB_K // 8
+    a_units = block_m * a_units_per_row
+    a_copies = -(-a_units // threads)
+    staged = None
+    if a_in_shared:
+        if not pair_loads:
+            raise ValueError("a prefill tile (a_in_shared) reads activations as half pairs: K must be even and "
+                             "not sorted by act-order groups")
+        staged = staged_weights(spec, n, k, half, warps_n, stage_slabs, threads)
+    stage_words, w_copies = (staged.stage_words, staged.copies_per_thread) if staged else (1, 1)
+    plan_weights, copy_weights, fetch_weights = (staged.plan, staged.copy, staged.fetch) if staged else (None,) * 3
+    shared_bytes = 4 * (block_m + reduce_warps * teams * reduce_values
+                        + (stages * (block_m * row_words + stage_words) if a_in_shared else 0))
+    if shared_bytes > SHARED_MEMORY_BYTES:
+        raise ValueError(f"{tile} needs {shared_bytes} bytes of shared memory for {spec.name}, more than "
+                         f"{SHARED_MEMORY_BYTES}: use fewer stages, slabs or rows")
+    wait_copies = ptx.wait_copies[max(stages - 2, 0)]
 
     @ptx.device
     def activation_pair(act, k_order, expert, row, kp):
@@ -203,77 +225,56 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                 group = multiply_slab(weights, expert, slab, chunk, lane, raw[d], params, frags, group, a_raw[d], acc)
         return group
 
-    # -- prefill: activations staged through shared memory, double-buffered ---------------------
+    # -- prefill: both operands staged through shared memory by a cp.async pipeline --------------
 
     @ptx.device
-    def fetch_stage_weights(weights, expert, stage_start, end_slab, warp_k, chunk, lane, raw):
-        for d in range(depth):
-            slab = stage_start + warp_k * depth + d
-            if slab < end_slab:
-                fetch(weights, expert, slab, chunk, lane, raw[d])
+    def plan_activation_copies(slots, num_slots, rows_div, thread, a_source, a_target):
+        """Once per CTA: where this thread's 16-byte activation copies come from (flat pair
+        offset at stage 0, -1 for none) and go to (word in a stage buffer); the same for
+        every stage, shifted by the stage's K."""
+        for i in range(a_copies):
+            unit = uint32(thread) + uint32(i * threads)
+            a_source[i], a_target[i] = int64(-1), 0
+            if unit < uint32(a_units):
+                m, c = unit // uint32(a_units_per_row), unit % uint32(a_units_per_row)
+                slot = slots[m]
+                row = slot // rows_div if slot < num_slots else 0  # padding rows read row 0
+                a_source[i] = int64(row) * pairs_per_row + 4 * c
+                a_target[i] = m * uint32(row_words) + 4 * c
 
     @ptx.device
-    def load_stage(act, weights, expert, stage_start, slots, num_slots, rows_div, a_regs):
-        """This thread's share of a stage's activations, into registers (global loads only)."""
-        for u in range(units_per_thread):
-            unit = cuda.threadIdx.x + u * threads
-            if unit < stage_units:
-                m, c = unit // units_per_row, unit % units_per_row
-                row = int32(-1)
-                if slots[m] < num_slots:
-                    row = slots[m] // rows_div
-                kp = stage_start * SLAB_K + 2 * c * unit_words
-                if vector_a:
-                    if row >= 0 and kp < size_k:
-                        a_regs[u, 0], a_regs[u, 1], a_regs[u, 2], a_regs[u, 3] = ptx.load_u32x4(act, 0, row, kp // 2)
-                    else:
-                        for w in range(unit_words):
-                            a_regs[u, w] = uint32(0)
-                else:
-                    a_regs[u, 0] = activation_pair(act, weights[4], expert, row, kp)
+    def copy_activations(act, stage, end_slab, a_source, a_target, a_tiles, buffer):
+        """This thread's copies of the block's activations for `stage` (zeros past end_slab)."""
+        for i in range(a_copies):
+            if a_source[i] >= 0:
+                c = a_target[i] % uint32(row_words)
+                present = stage + c // uint32(SLAB_K // 2) < end_slab
+                copy_async(a_tiles, buffer * (block_m * row_words) + a_target[i], act,
+                           a_source[i] + stage * (SLAB_K // 2) if present else int64(0), 16 if present else 0)
 
     @ptx.device
-    def store_stage(a_regs, a_tile):
-        for u in range(units_per_thread):
-            unit = cuda.threadIdx.x + u * threads
-            if unit < stage_units:
-                m, c = unit // units_per_row, unit % units_per_row
-                for w in range(unit_words):
-                    a_tile[m, c * unit_words + w] = a_regs[u, w]
+    def issue_stage(act, weights, stage, end_slab, a_source, a_target, w_source, a_tiles, w_tiles, buffer, thread):
+        """Start the copies of `stage` into `buffer`: one commit group, empty past the end."""
+        if stage < end_slab:
+            copy_activations(act, stage, end_slab, a_source, a_target, a_tiles, buffer)
+            copy_weights(weights, w_source, stage, end_slab, w_tiles, buffer, thread)
+        ptx.commit_copies()
 
     @ptx.device
-    def shared_a_slabs(weights, expert, stage_start, end_slab, warp_k, first_row, chunk, lane, raw, params, frags,
-                       group, a_tile, a_words, acc):
-        g, t = lane // 4, lane % 4
+    def multiply_stage(weights, expert, stage, weight_end, warp_k, warp_n, a_lane, chunk, lane, a_tiles, w_tiles,
+                       buffer, raw, params, frags, group, a_words, acc):
+        """acc += this warp's slabs of the stage in `buffer` (A by ldmatrix, B decoded);
+        `a_lane` is the word of this lane's ldmatrix row in a stage buffer."""
         for d in range(depth):
             local_slab = warp_k * depth + d
-            slab = stage_start + local_slab
-            if slab < end_slab:
-                column = local_slab * 8 + t
+            slab = stage + local_slab
+            if slab < weight_end:
+                fetch_weights(w_tiles, buffer, local_slab, warp_n, lane, raw)
+                first = buffer * (block_m * row_words) + a_lane + local_slab * (SLAB_K // 2)
                 for mt in range(m_tiles):
-                    row = first_row + 16 * mt + g
-                    a_words[mt, 0], a_words[mt, 1] = a_tile[row, column], a_tile[row + 8, column]
-                    a_words[mt, 2], a_words[mt, 3] = a_tile[row, column + 4], a_tile[row + 8, column + 4]
-                group = multiply_slab(weights, expert, slab, chunk, lane, raw[d], params, frags, group, a_words, acc)
-        return group
-
-    @ptx.device
-    def prefill_step(act, weights, expert, stage, end_slab, weight_end, warp_k, first_row, chunk, lane, slots,
-                     num_slots, rows_div, raw_now, raw_next, tile_now, tile_next, a_regs, params, frags, group,
-                     a_words, acc):
-        """Multiply `stage` (weights in raw_now, activations in tile_now) while the next
-        stage's loads are in flight (into raw_next and registers), then store those
-        activations to tile_next. Two buffers of each, swapped by the caller."""
-        following = stage + stage_slabs
-        more = following < end_slab
-        if more:
-            load_stage(act, weights, expert, following, slots, num_slots, rows_div, a_regs)
-            fetch_stage_weights(weights, expert, following, weight_end, warp_k, chunk, lane, raw_next)
-        group = shared_a_slabs(weights, expert, stage, weight_end, warp_k, first_row, chunk, lane, raw_now, params,
-                               frags, group, tile_now, a_words, acc)
-        if more:
-            store_stage(a_regs, tile_next)
-        cuda.syncthreads()
+                    a_words[mt, 0], a_words[mt, 1], a_words[mt, 2], a_words[mt, 3] = ldmatrix4(
+                        a_tiles, first + mt * (16 * row_words))
+                group = multiply_slab(weights, expert, slab, chunk, lane, raw, params, frags, group, a_words, acc)
         return group
 
     @ptx.kernel
@@ -312,32 +313,37 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         # Warps past the last column chunk (N < warps_n chunks) still stage activations.
         weight_end = end_slab if chunk < n_chunks else start_slab
         if expert >= 0 and start_slab < end_slab:
-            raw_a = cuda.local.array((depth, raw_words), uint32)
-            raw_b = cuda.local.array((depth, raw_words), uint32)
             params = cuda.local.array(16, uint32)
             frags = cuda.local.array(16, uint32)
             group = int32(-1)
             if a_in_shared:
-                a_tiles = cuda.shared.array((2, shared_rows, row_words), uint32)
-                a_regs = cuda.local.array((units_per_thread, unit_words), uint32)
+                a_tiles = cuda.shared.array((stages, block_m, row_words), uint32)
+                w_tiles = cuda.shared.array((stages, stage_words), uint32)
+                raw = cuda.local.array(raw_words, uint32)
                 a_words = cuda.local.array((m_tiles, 4), uint32)
-                stage_a = start_slab
-                load_stage(act, weights, expert, stage_a, slots, num_slots, rows_div, a_regs)
-                fetch_stage_weights(weights, expert, stage_a, weight_end, wk, chunk, lane, raw_a)
-                store_stage(a_regs, a_tiles[0])
-                cuda.syncthreads()
-                while stage_a < end_slab:
-                    group = prefill_step(act, weights, expert, stage_a, end_slab, weight_end, wk, first_row, chunk,
-                                         lane, slots, num_slots, rows_div, raw_a, raw_b, a_tiles[0], a_tiles[1],
-                                         a_regs, params, frags, group, a_words, acc)
-                    stage_b = stage_a + stage_slabs
-                    if stage_b >= end_slab:
-                        break
-                    group = prefill_step(act, weights, expert, stage_b, end_slab, weight_end, wk, first_row, chunk,
-                                         lane, slots, num_slots, rows_div, raw_b, raw_a, a_tiles[1], a_tiles[0],
-                                         a_regs, params, frags, group, a_words, acc)
-                    stage_a = stage_b + stage_slabs
+                a_source = cuda.local.array(a_copies, int64)
+                a_target = cuda.local.array(a_copies, uint32)
+                plan_activation_copies(slots, num_slots, rows_div, tid, a_source, a_target)
+                w_source = cuda.local.array(w_copies, int64)
+                plan_weights(expert, cuda.blockIdx.y * warps_n, tid, w_source)
+                a_lane = (first_row + lane % 16) * row_words + 4 * (lane // 16)
+                for s in range(stages - 1):
+                    issue_stage(act, weights, start_slab + s * stage_slabs, end_slab, a_source, a_target, w_source,
+                                a_tiles, w_tiles, s, tid)
+                stage, buffer = start_slab, 0
+                while stage < end_slab:
+                    wait_copies()  # this stage's copies (every older group) have landed...
+                    cuda.syncthreads()  # ...for every thread, and the previous stage's buffer is free
+                    ahead = buffer - 1 if buffer > 0 else stages - 1
+                    issue_stage(act, weights, stage + (stages - 1) * stage_slabs, end_slab, a_source, a_target,
+                                w_source, a_tiles, w_tiles, ahead, tid)
+                    group = multiply_stage(weights, expert, stage, weight_end, wk, wn, a_lane, chunk, lane, a_tiles,
+                                           w_tiles, buffer, raw, params, frags, group, a_words, acc)
+                    stage += stage_slabs
+                    buffer = buffer + 1 if buffer < stages - 1 else 0
             else:
+                raw_a = cuda.local.array((depth, raw_words), uint32)
+                raw_b = cuda.local.array((depth, raw_words), uint32)
                 rows = cuda.local.array((m_tiles, 2), int32)
                 for mt in range(m_tiles):
                     for half_rows in range(2):
@@ -396,11 +402,14 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     return grouped_gemm
 
 
-def activation_loads(k: int, spec: QuantSpec, tile: GemmTile, aligned: bool = True) -> tuple[bool, bool]:
-    """(pair_loads, vector_a) for activations of K = `k` whose storage is 16-byte `aligned`:
-    how the kernel may read them (see make_grouped_gemm)."""
-    pair_loads = k % 2 == 0 and not spec.sort_k_by_group
-    return pair_loads, tile.a_in_shared and pair_loads and k % 8 == 0 and aligned
+def pair_loads(k: int, spec: QuantSpec) -> bool:
+    """Whether the kernel reads activations of K = `k` as half pairs (see make_grouped_gemm)."""
+    return k % 2 == 0 and not spec.sort_k_by_group
+
+
+def prefill_supported(spec: QuantSpec, n: int, k: int, half: str, tile: GemmTile) -> bool:
+    """Whether `tile`, a prefill tile, can run on weights in `spec` (else use a decode tile)."""
+    return pair_loads(k, spec) and staging_supported(spec, n, k, half, tile.stage_slabs)
 
 
 def activation_array(act: torch.Tensor, pair_loads: bool):
@@ -453,13 +462,18 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
     if out is None:
         out = interop.empty(expected, torch.float32 if partial_output else act.dtype)
     out = interop.check_tensor("out", out, dtype=torch.float32 if partial_output else act.dtype, shape=expected)
-    pair_loads, vector_a = activation_loads(k, weights.spec, tile, act.data_ptr() % 16 == 0)
-    kernel = make_grouped_gemm(weights.spec, n, k, tile, half, partial_output, topk_weights is not None,
-                               pair_loads, vector_a)
+    pairs = pair_loads(k, weights.spec)
+    if tile.a_in_shared:
+        if not prefill_supported(weights.spec, n, k, half, tile):
+            raise ValueError(f"tile.a_in_shared: {weights.spec.name} weights of shape {(n, k)} cannot be staged "
+                             f"through shared memory (see fragments.staging_supported): use a decode tile")
+        if act.data_ptr() % 16:
+            raise ValueError("act must start 16-byte aligned for a prefill tile (a_in_shared)")
+    kernel = make_grouped_gemm(weights.spec, n, k, tile, half, partial_output, topk_weights is not None, pairs)
     grid = tile.grid(expert_ids.shape[0], n)
     launch_kernel(
         kernel, grid, tile.threads,
-        activation_array(act, pair_loads), weights.arrays(), interop.to_kernel(sorted_token_ids), interop.to_kernel(expert_ids),
+        activation_array(act, pairs), weights.arrays(), interop.to_kernel(sorted_token_ids), interop.to_kernel(expert_ids),
         interop.to_kernel(num_tokens_post_padded), interop.to_kernel(weights_flat), interop.to_kernel(out),
         np.int32(num_slots), np.int32(num_slots // act.shape[0]))
     return out

@@ -14,7 +14,23 @@ helper                   PTX                                 used for
 ``f32_bits / bits_f32``  mov.b32 (libdevice bit casts)       integer bit tricks
 ``load_u32x4(a, ...)``   load_words[4] at a[i, j, k]       16-byte loads by 3-D index
 ``load_words[n](a, i)``  ld.global.nc{,.v2,.v4}.u32          n words at flat element i
+``load_shared[n](s, i)`` ld.shared{,.v2,.v4}.u32             n words of a shared array
+``copy_async(s, i, a,    cp.async.cg.shared.global 16        prefill: global -> shared
+j, bytes)``                                                  without registers
+``commit_copies()``      cp.async.commit_group               close a pipeline stage
+``wait_copies[n]()``     cp.async.wait_group n               all but the newest n stages
+``ldmatrix4(s, i)``      ldmatrix.sync.m8n8.x4.shared.b16    A fragments from shared
 =======================  ==================================  ==========================
+
+Shared-memory addresses are flat word offsets into a ``uint32`` shared array (the
+helpers address it in the shared window, see `_shared_pointer`). The asynchronous copies
+follow the hardware's rules, and so do their twins: a copy lands only when a
+``wait_copies`` lets its committed group complete, so a kernel that reads a stage too
+early reads stale words under the simulator too. ``ldmatrix4`` is warp-collective: lane
+``l`` names row ``l % 8`` of matrix ``l // 8`` (four words of 16 bytes); register ``j``
+of lane ``l`` receives word ``l % 4`` of row ``l // 4`` of matrix ``j`` -- for an A tile
+whose lanes 0-15 name rows 0-15 at column word c and lanes 16-31 the same rows at c + 4,
+exactly the mma's a0..a3.
 
 Every helper has a pure-Python *twin* with the same semantics, chosen automatically under
 the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``), so every kernel runs unchanged in CI.
@@ -266,6 +282,53 @@ def _twin_load_words(count: int):
     return load
 
 
+_pending = threading.local()
+
+
+def _twin_async_copies():
+    """Copies are queued per thread and land when a wait lets their group complete."""
+
+    def queue():
+        if not hasattr(_pending, "groups"):
+            _pending.open, _pending.groups = [], []
+        return _pending
+
+    def copy_async(shared, shared_offset, source, source_offset, source_bytes):
+        chunk = np.zeros(16, np.uint8)
+        if source_bytes:
+            flat = source.reshape(-1)
+            count = 16 // flat.dtype.itemsize
+            chunk[:] = np.ascontiguousarray(flat[source_offset:source_offset + count]).view(np.uint8)
+        queue().open.append((shared, int(shared_offset), chunk.view(np.uint32)))
+
+    def commit_copies():
+        state = queue()
+        state.groups.append(state.open)
+        state.open = []
+
+    def wait(newest: int):
+        def wait_copies():
+            state = queue()
+            while len(state.groups) > newest:
+                for shared, offset, words in state.groups.pop(0):
+                    shared.reshape(-1)[offset:offset + 4] = words
+
+        return wait_copies
+
+    return copy_async, commit_copies, {n: wait(n) for n in range(8)}
+
+
+def _twin_ldmatrix4(shared, offset):
+    lane, state = _warp_state()
+    state["slots"][lane] = int(offset)
+    state["barrier"].wait()
+    flat = shared.reshape(-1)
+    rows = [state["slots"][8 * j + lane // 4] for j in range(4)]
+    words = tuple(np.uint32(flat[row + lane % 4]) for row in rows)
+    state["barrier"].wait()
+    return words
+
+
 def _twin_f32_bits(x):
     return np.float32(x).view(np.uint32)
 
@@ -292,36 +355,132 @@ def _gpu_bit_casts():
     return f32_bits, bits_f32
 
 
-def _gpu_load_words(count: int):
+def _element_pointer(context, builder, array_type, array, offset_type, offset):
+    """Generic address of flat element `offset` of a C-contiguous array."""
+    struct = context.make_array(array_type)(context, builder, value=array)
+    return builder.gep(struct.data, [context.cast(builder, offset, offset_type, types.int64)])
+
+
+def _shared_pointer(context, builder, array_type, array, offset_type, offset):
+    """Shared-window address of flat element `offset` of a shared array. Numba hands
+    kernels a shared array's generic pointer; casting it back lets LLVM fold the pair of
+    casts into the array's symbol, so the address is a constant plus the offset."""
+    from llvmlite import ir
+
+    struct = context.make_array(array_type)(context, builder, value=array)
+    shared = builder.addrspacecast(struct.data, ir.PointerType(struct.data.type.pointee, addrspace=3))
+    return builder.gep(shared, [context.cast(builder, offset, offset_type, types.int64)])
+
+
+def _check_flat(array, *offsets):
+    if not (isinstance(array, types.Array) and isinstance(array.dtype, types.Integer) and array.layout == "C"
+            and all(isinstance(offset, types.Integer) for offset in offsets)):
+        raise TypeError(f"needs a C-contiguous integer array and integer offsets, got {array}, {offsets}")
+
+
+def _gpu_word_load(count: int, space: str):
+    """An intrinsic loading `count` words at flat element `offset` of an array in
+    `space` ("global": read-only path; "shared": a shared array's generic pointer)."""
     from llvmlite import ir
     from numba.cuda.extending import intrinsic
 
     vector = {1: "", 2: ".v2", 4: ".v4"}[count]
     outputs = ", ".join(f"${n}" for n in range(count))
-    asm = f"ld.global.nc{vector}.u32 {{{outputs}}}, [${count}];" if count > 1 else "ld.global.nc.u32 $0, [$1];"
+    outputs = f"{{{outputs}}}" if count > 1 else outputs
+    asm = f"ld.{'global.nc' if space == 'global' else 'shared'}{vector}.u32 {outputs}, [${count}];"
+    address = _element_pointer if space == "global" else _shared_pointer
 
     @intrinsic
-    def load_words(typingctx, array, offset):
-        if not (isinstance(array, types.Array) and isinstance(array.dtype, types.Integer)
-                and array.layout == "C" and isinstance(offset, types.Integer)):
-            raise TypeError(f"load_words needs a C-contiguous integer array and an integer offset, got {array}, {offset}")
+    def load(typingctx, array, offset):
+        _check_flat(array, offset)
         signature = (types.uint32 if count == 1 else types.UniTuple(types.uint32, count))(array, offset)
 
         def codegen(context, builder, sig, args):
-            struct = context.make_array(sig.args[0])(context, builder, value=args[0])
-            index = context.cast(builder, args[1], sig.args[1], types.int64)
-            pointer = builder.gep(struct.data, [index])
+            pointer = address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
             i32 = ir.IntType(32)
             result_type = i32 if count == 1 else ir.LiteralStructType([i32] * count)
-            load = ir.InlineAsm(ir.FunctionType(result_type, [pointer.type]), asm, ",".join(["=r"] * count + ["l"]))
-            loaded = builder.call(load, [pointer])
+            loaded = builder.call(ir.InlineAsm(ir.FunctionType(result_type, [pointer.type]), asm,
+                                               ",".join(["=r"] * count + ["l"])), [pointer])
             if count == 1:
                 return loaded
             return context.make_tuple(builder, sig.return_type, [builder.extract_value(loaded, n) for n in range(count)])
 
         return signature, codegen
 
-    return load_words
+    return load
+
+
+def _gpu_async_copies():
+    """copy_async, commit_copies and wait_copies[n] (n = 0 .. 7) as intrinsics."""
+    from llvmlite import ir
+    from numba.cuda.extending import intrinsic
+
+    def statement(asm, operand_types=(), constraints=""):
+        def emit(builder, operands=()):
+            clobbers = ",".join(filter(None, [constraints, "~{memory}"]))
+            builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), list(operand_types)), asm, clobbers,
+                                      side_effect=True), list(operands))
+        return emit
+
+    @intrinsic
+    def copy_async(typingctx, shared, shared_offset, source, source_offset, source_bytes):
+        _check_flat(shared, shared_offset)
+        _check_flat(source, source_offset, source_bytes)
+
+        def codegen(context, builder, sig, args):
+            target = _shared_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            origin = _element_pointer(context, builder, sig.args[2], args[2], sig.args[3], args[3])
+            size = context.cast(builder, args[4], sig.args[4], types.uint32)
+            emit = statement("cp.async.cg.shared.global [$0], [$1], 16, $2;", (target.type, origin.type, ir.IntType(32)),
+                             "l,l,r")
+            emit(builder, (target, origin, size))
+            return context.get_dummy_value()
+
+        return types.void(shared, shared_offset, source, source_offset, source_bytes), codegen
+
+    @intrinsic
+    def commit_copies(typingctx):
+        def codegen(context, builder, sig, args):
+            statement("cp.async.commit_group;")(builder)
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
+    def wait(newest: int):
+        @intrinsic
+        def wait_copies(typingctx):
+            def codegen(context, builder, sig, args):
+                statement(f"cp.async.wait_group {newest};")(builder)
+                return context.get_dummy_value()
+
+            return types.void(), codegen
+
+        return wait_copies
+
+    return copy_async, commit_copies, {n: wait(n) for n in range(8)}
+
+
+def _gpu_ldmatrix4():
+    from llvmlite import ir
+    from numba.cuda.extending import intrinsic
+
+    asm = "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];"
+
+    @intrinsic
+    def ldmatrix4(typingctx, shared, offset):
+        _check_flat(shared, offset)
+
+        def codegen(context, builder, sig, args):
+            pointer = _shared_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            i32 = ir.IntType(32)
+            result_type = ir.LiteralStructType([i32] * 4)
+            loaded = builder.call(ir.InlineAsm(ir.FunctionType(result_type, [pointer.type]), asm,
+                                               "=r,=r,=r,=r,l,~{memory}", side_effect=True), [pointer])
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(loaded, n) for n in range(4)])
+
+        return types.UniTuple(types.uint32, 4)(shared, offset), codegen
+
+    return ldmatrix4
 
 
 # ---------------------------------------------------------------------------------------
@@ -332,7 +491,15 @@ f32_bits, bits_f32 = (_twin_f32_bits, _twin_bits_f32) if SIMULATED else _gpu_bit
 # load_words[n](array, offset): n = 1, 2 or 4 little-endian 32-bit words starting at flat
 # element `offset` of a C-contiguous integer array of any width (the address must be
 # aligned to the load's size); read-only cache path. No index arithmetic beyond one add.
-load_words = {n: (_twin_load_words if SIMULATED else _gpu_load_words)(n) for n in (1, 2, 4)}
+load_words = {n: _twin_load_words(n) if SIMULATED else _gpu_word_load(n, "global") for n in (1, 2, 4)}
+# load_shared[n](shared, offset): the same from a uint32 shared array.
+load_shared = {n: _twin_load_words(n) if SIMULATED else _gpu_word_load(n, "shared") for n in (1, 2, 4)}
+# copy_async(shared, i, source, j, source_bytes): 16 bytes from flat element j of a global
+# array to shared word i (both 16-byte aligned); bytes past source_bytes (0 or 16) are zero.
+# commit_copies() closes a group; wait_copies[n]() waits for all groups but the newest n.
+copy_async, commit_copies, wait_copies = _twin_async_copies() if SIMULATED else _gpu_async_copies()
+# ldmatrix4(shared, i): the warp's four 8x8 half matrices, lane l naming a row at word i.
+ldmatrix4 = _twin_ldmatrix4 if SIMULATED else _gpu_ldmatrix4()
 _load4 = load_words[4]
 
 

@@ -11,12 +11,12 @@ from layouts import formats
 from layouts.strategies import random_quantized, spec_for
 from numba_kernels import interop
 from numba_kernels.fragments import fast_path_supported, lane_scales
-from numba_kernels.gemm import GemmTile, grouped_gemm, reference_grouped_gemm
+from numba_kernels.gemm import GemmTile, grouped_gemm, prefill_supported, reference_grouped_gemm
 from numba_kernels.weights import KernelWeights
 
 DECODE = GemmTile(block_m=16, warps_k=2, slabs_per_warp=2)
-PREFILL = GemmTile(block_m=32, warps_m=1, warps_n=2, warps_k=1, slabs_per_warp=2, a_in_shared=True)  # the oracle's shape
-PREFILL_SPLIT_K = GemmTile(block_m=16, warps_k=2, slabs_per_warp=1, a_in_shared=True, split_k=2)
+PREFILL = GemmTile(block_m=32, warps_m=1, warps_n=2, warps_k=1, slabs_per_warp=2, a_in_shared=True)
+PREFILL_SPLIT_K = GemmTile(block_m=16, warps_k=2, slabs_per_warp=1, a_in_shared=True, split_k=2, stages=2)
 SPLIT = GemmTile(block_m=16, warps_k=1, slabs_per_warp=1, split_k=2)
 
 
@@ -92,6 +92,10 @@ def test_grouped_gemm_matches_reference_for_any_spec_and_tile(data):
     top_k = data.draw(st.integers(1, experts), label="top_k")
     tokens = data.draw(st.integers(1, 3), label="tokens")
     half = data.draw(st.sampled_from([torch.bfloat16, torch.float16]), label="half")
+    if tile.a_in_shared and not prefill_supported(spec, n, k, interop.HALF_NAMES[half], tile):
+        with pytest.raises(ValueError, match="cannot be staged"):
+            run_case(spec, (experts, n, k), tokens=1, top_k=1, tile=tile, half=half)
+        return
     got, expected = run_case(spec, (experts, n, k), tokens=tokens, top_k=top_k, tile=tile, half=half,
                              routed_weights=data.draw(st.booleans()), seed=data.draw(st.integers(0, 2**16)),
                              per_slot=data.draw(st.booleans(), label="per_slot"), check_weights=representable(half))
@@ -132,6 +136,20 @@ def test_prefetched_scales_and_zero_points_in_either_half_type(spec, half):
     assert_close(*run_case(spec, (2, 80, 96), tokens=3, top_k=2, tile=DECODE, half=half))
 
 
+@pytest.mark.parametrize("spec, half, tile", [
+    (formats.native(4, 128), torch.bfloat16, PREFILL),
+    (formats.native(4, 32, zero_points=True, half="float16"), torch.float16, PREFILL_SPLIT_K),
+    (formats.native(fp4=True), torch.float16, GemmTile(block_m=16, warps_k=1, slabs_per_warp=4, stages=4,
+                                                       a_in_shared=True)),
+    (formats.native(8, 64, half="float16"), torch.float16, PREFILL),
+])
+def test_prefill_pipeline_at_every_group_size_code_width_and_stage_depth(spec, half, tile):
+    """Groups longer than a stage (128), shorter (NVFP4's 16), zero points, 8-bit codes;
+    2 to 4 buffers; a K split; warps splitting a stage; a partial last stage (K = 96)."""
+    assert prefill_supported(spec, 80, 96, interop.HALF_NAMES[half], tile)
+    assert_close(*run_case(spec, (2, 80, 96), tokens=3, top_k=2, tile=tile, half=half))
+
+
 def test_k_not_a_multiple_of_the_group_size():
     # intermediate 704 with group 128: the last group holds 64 input features
     assert_close(*run_case(formats.native(4, 128), (1, 64, 704), tokens=1, top_k=1, tile=DECODE))
@@ -139,7 +157,7 @@ def test_k_not_a_multiple_of_the_group_size():
 
 def test_n_not_a_multiple_of_the_tile_after_a_tensor_parallel_split():
     assert_close(*run_case(formats.native(4, 32), (2, 160, 64), tokens=2, top_k=1, tile=DECODE))
-    assert_close(*run_case(formats.gptq(4, 32), (2, 160, 64), tokens=2, top_k=1, tile=PREFILL))
+    assert_close(*run_case(formats.native(4, 32), (2, 160, 64), tokens=2, top_k=1, tile=PREFILL))
 
 
 def test_int8_codes_in_bfloat16_take_the_float32_path():
@@ -190,7 +208,10 @@ def _small_problem(half=torch.bfloat16):
     (lambda a: dict(a, num_slots=3), ValueError, "num_slots"),
     (lambda a: dict(a, tile=GemmTile(block_m=32)), ValueError, "block_size = block_m"),
     (lambda a: dict(a, topk_weights=torch.ones(3)), ValueError, "topk_weights"),
-    (lambda a: dict(a, out=torch.empty(2, 63, dtype=torch.bfloat16)), ValueError, "out must have shape"),
+    (lambda a: dict(a, out=torch.empty(2, 63, dtype=torch.bfloat16, device=interop.kernel_device())), ValueError,
+     "out must have shape"),
+    (lambda a: dict(a, tile=GemmTile(block_m=16, a_in_shared=True, stages=8, slabs_per_warp=16)), ValueError,
+     "shared memory"),
 ])
 def test_bad_arguments_are_rejected_before_launch(change, error, message):
     act, weights, alignment = _small_problem()
@@ -200,6 +221,19 @@ def test_bad_arguments_are_rejected_before_launch(change, error, message):
                      topk_weights=arguments["topk_weights"], out=arguments["out"])
 
 
+def test_prefill_tiles_refuse_layouts_they_cannot_stage_and_misaligned_activations():
+    spec, shape = formats.gptq(4, 32), (2, 64, 64)
+    gptq = KernelWeights.from_physical(spec, spec.pack(random_quantized(spec, shape, np.random.default_rng(0))), shape)
+    act, native, alignment = _small_problem()
+    prefill = GemmTile(block_m=16, a_in_shared=True)
+    assert not prefill_supported(spec, 64, 64, "bfloat16", prefill)
+    with pytest.raises(ValueError, match="cannot be staged through shared memory"):
+        grouped_gemm(act, gptq, *alignment, num_slots=2, tile=prefill)
+    misaligned = torch.zeros(2 * 64 + 1, dtype=torch.bfloat16, device=act.device)[1:].view(2, 64)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        grouped_gemm(misaligned, native, *alignment, num_slots=2, tile=prefill)
+
+
 def test_tile_parameters_are_validated():
     with pytest.raises(ValueError, match="power of two"):
         GemmTile(warps_k=3)
@@ -207,16 +241,19 @@ def test_tile_parameters_are_validated():
         GemmTile(block_m=16, warps_m=2)
     with pytest.raises(ValueError, match="1024"):
         GemmTile(warps_m=4, warps_n=4, warps_k=4, block_m=64)
+    with pytest.raises(ValueError, match="stages"):
+        GemmTile(stages=1)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, shape, top_k, tokens", [
     ("qwen3_gemm1", (16, 1536, 2048), 8, 16), ("qwen3_gemm2", (16, 2048, 768), 8, 64),
 ])
-@pytest.mark.parametrize("tile", [  # the oracle's decode and prefill tiles
-    GemmTile(block_m=16, warps_k=4, slabs_per_warp=4, split_k=2),
-    GemmTile(block_m=64, warps_m=2, warps_n=2, warps_k=1, slabs_per_warp=4, a_in_shared=True),
-    GemmTile(block_m=128, warps_m=4, warps_n=2, warps_k=1, slabs_per_warp=4, a_in_shared=True)])
+@pytest.mark.parametrize("tile", [  # the oracle's decode and prefill tiles, and a K-split prefill
+    GemmTile(block_m=16, warps_k=4, slabs_per_warp=2, split_k=2),
+    GemmTile(block_m=64, warps_m=1, warps_n=4, warps_k=1, slabs_per_warp=2, stages=4, a_in_shared=True),
+    GemmTile(block_m=128, warps_m=2, warps_n=4, warps_k=1, slabs_per_warp=2, stages=3, a_in_shared=True),
+    GemmTile(block_m=64, warps_m=2, warps_n=4, warps_k=1, slabs_per_warp=2, stages=3, split_k=2, a_in_shared=True)])
 @pytest.mark.parametrize("spec", [formats.native(4, 128), formats.native(fp4=True)], ids=["int4", "nvfp4"])
 def test_realistic_shapes_on_the_gpu(name, shape, top_k, tokens, tile, spec):
     assert_close(*run_case(spec, shape, tokens=tokens, top_k=top_k, tile=tile))

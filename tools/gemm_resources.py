@@ -21,8 +21,8 @@ from layouts.strategies import random_quantized  # noqa: E402
 from numba_kernels.gemm import GemmTile, make_grouped_gemm  # noqa: E402
 
 DECODE = GemmTile(block_m=16, warps_k=4, slabs_per_warp=2, split_k=2)
-PREFILL_64 = GemmTile(block_m=64, warps_m=2, warps_n=2, warps_k=1, slabs_per_warp=4, a_in_shared=True)
-PREFILL_128 = GemmTile(block_m=128, warps_m=4, warps_n=2, warps_k=1, slabs_per_warp=4, a_in_shared=True)
+PREFILL_64 = GemmTile(block_m=64, warps_m=1, warps_n=4, warps_k=1, slabs_per_warp=2, stages=4, a_in_shared=True)
+PREFILL_128 = GemmTile(block_m=128, warps_m=2, warps_n=4, warps_k=1, slabs_per_warp=2, stages=3, a_in_shared=True)
 CASES = [(formats.native(4, 128), DECODE), (formats.native(4, 128), PREFILL_64), (formats.native(4, 128), PREFILL_128),
          (formats.native(fp4=True), DECODE), (formats.native(fp4=True), PREFILL_64)]
 
@@ -45,7 +45,7 @@ def _kernel_arrays(spec: QuantSpec, shape: tuple[int, int, int]) -> tuple:
 
 def resources(spec: QuantSpec, tile: GemmTile, n: int = 256, k: int = 512) -> str:
     partial = tile.split_k > 1
-    kernel = make_grouped_gemm(spec, n, k, tile, "bfloat16", partial, True, True, tile.a_in_shared)
+    kernel = make_grouped_gemm(spec, n, k, tile, "bfloat16", partial, True, True)
     ids = np.zeros(4, np.int32)
     out = np.zeros((tile.split_k, 8, n), np.float32) if partial else np.zeros((8, n), np.int16)
     compiled = compile_kernel(kernel, np.zeros((1, 4, k // 2), np.int32), _kernel_arrays(spec, (2, n, k)), ids, ids,
@@ -54,7 +54,8 @@ def resources(spec: QuantSpec, tile: GemmTile, n: int = 256, k: int = 512) -> st
     stack = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", compiled.report)
     ptx = compiled.ptx
     return (f"{spec.name:12s} {tile}: registers {registers}, stack/spill {stack}, ld.local {ptx.count('ld.local')}, "
-            f"mma {ptx.count('mma.sync')}, 16-byte loads {ptx.count('ld.global.nc.v4')}")
+            f"mma {ptx.count('mma.sync')}, 16-byte loads {ptx.count('ld.global.nc.v4')}, cp.async {ptx.count('cp.async.cg')}, "
+            f"ldmatrix {ptx.count('ldmatrix')}, ld.shared.v4 {ptx.count('ld.shared.v4')}")
 
 
 if __name__ == "__main__":

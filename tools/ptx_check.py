@@ -64,3 +64,22 @@ def ptxas_report(ptx: str) -> str:
     out = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True)
     os.unlink(f.name)
     return out.stdout + out.stderr
+
+
+def sass(ptx: str) -> str:
+    """The SASS ptxas makes of `ptx` for sm_90a (needs nvdisasm: pip install nvidia-cuda-nvdisasm)."""
+    ptxas = shutil.which("ptxas") or "/usr/local/cuda/bin/ptxas"
+    nvdisasm = shutil.which("nvdisasm")
+    if nvdisasm is None:
+        import nvidia
+
+        found = [os.path.join(p, "cu13", "bin", "nvdisasm") for p in nvidia.__path__]
+        nvdisasm = next((f for f in found if os.path.exists(f)), None)
+    if nvdisasm is None:
+        return "nvdisasm not found"
+    with tempfile.TemporaryDirectory() as folder:
+        source, cubin = os.path.join(folder, "k.ptx"), os.path.join(folder, "k.cubin")
+        with open(source, "w") as f:
+            f.write(ptx)
+        subprocess.run([ptxas, "-arch=sm_90a", source, "-o", cubin], check=True, capture_output=True)
+        return subprocess.run([nvdisasm, "-c", "-g", cubin], capture_output=True, text=True).stdout
