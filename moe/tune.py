@@ -181,6 +181,7 @@ def main(argv=None) -> None:
                                                                              group_size=args.group_size)
     config = MoEConfig(num_experts=args.experts, top_k=args.top_k, hidden_size=args.hidden,
                        intermediate_size=args.intermediate, quant=quant)
+
     def report(tokens, stage, tile, ms):
         if args.verbose:
             print(f"M={tokens} {stage} {'skipped' if ms is None else f'{ms:.4f} ms'} {tile}", flush=True)

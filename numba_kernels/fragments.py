@@ -29,13 +29,14 @@ local arrays, which the compiler keeps in registers once its loops are unrolled)
     multiplier = output_scale(weights, e)                      # float32 for the epilogue
 
 `fetch` is split from `decode` so the GEMM can issue the next slabs' loads before it
-spends time on the current ones. With `prefetch_scales`, a Marlin-tile reader whose
-scales (and 4-bit zero points) sit lane-contiguous, as in `formats.native`, fetches the
-lane's eight scales with the weights (one 16- or 8-byte load) and builds the scale pairs
-in `decode`: no dependent load waits on a scale-group change. NVFP4's per-expert global
+spends time on the current ones. A Marlin-tile reader whose scales (and 4-bit zero
+points) sit lane-contiguous, as in `formats.native` (`lane_scales`), fetches the lane's
+eight scales with the weights (one 16- or 8-byte load) and builds the scale pairs in
+`decode`: no dependent load waits on a scale-group change, and the prefill GEMM stages
+those same words through shared memory (`staged_weights`). NVFP4's per-expert global
 scale then moves to the epilogue (`output_scale`), so an e2m1 code times its e4m3 block
-scale is exact in the half type. Without it, `column_params` reads the scales when the
-group changes (cheap when groups are long, as in prefill where every scale is reused).
+scale is exact in the half type. Other scale layouts go through `column_params`, which
+reads the scales one by one when the group changes.
 """
 
 from __future__ import annotations
@@ -124,10 +125,10 @@ class FragmentReader:
 
 
 @functools.cache
-def fragment_reader(spec: QuantSpec, n: int, k: int, half: str, prefetch_scales: bool = False) -> FragmentReader:
+def fragment_reader(spec: QuantSpec, n: int, k: int, half: str) -> FragmentReader:
     """The fastest reader of `spec` (logical shape (n, k)) for `half` activations."""
     if fast_path_supported(spec, half):
-        return _marlin_tile_reader(spec, n, k, half, lane_scales(spec, n, k, half) if prefetch_scales else None)
+        return _marlin_tile_reader(spec, n, k, half, lane_scales(spec, n, k, half))
     return _index_map_reader(spec, n, k, half)
 
 
@@ -198,8 +199,29 @@ def _group_of_slab(spec: QuantSpec):
     return group_of_slab
 
 
+@attrs.frozen
+class TileGeometry:
+    """Where a Marlin-tile weight keeps its words: (E * slab_rows, slab_words) int32, a
+    slab-chunk's words contiguous, a lane's `words_per_lane` of them contiguous."""
+
+    bits: int
+    slab_rows: int
+    slab_words: int
+    words_per_chunk: int
+    words_per_lane: int
+
+    @classmethod
+    def of(cls, spec: QuantSpec, n: int, k: int) -> "TileGeometry":
+        bits = marlin_tile_bits(spec)
+        slab_rows, slab_words = spec.weight.layout.physical_shape((n, k))
+        words_per_chunk = CHUNK_N * SLAB_K * bits // 32
+        return cls(bits, slab_rows, slab_words, words_per_chunk, words_per_chunk // 32)
+
+
 def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneScales | None) -> FragmentReader:
-    bits = marlin_tile_bits(spec)
+    geometry = TileGeometry.of(spec, n, k)
+    bits, slab_rows, slab_words = geometry.bits, geometry.slab_rows, geometry.slab_words
+    words_per_chunk, words_per_lane = geometry.words_per_chunk, geometry.words_per_lane
     fp4 = isinstance(spec.code, E2M1)
     constants = HALF_CONSTANTS[half]
     fma2, pack2 = ptx.fma2(half), ptx.pack2(half)
@@ -207,9 +229,6 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
     read_scale, read_zero = scale_reader(spec, n, k), zero_reader(spec, n, k)
     global_multiplier = global_scale_reader(spec)
     size_n = n
-    slab_rows, slab_words = spec.weight.layout.physical_shape((n, k))
-    words_per_chunk = CHUNK_N * SLAB_K * bits // 32
-    words_per_lane = words_per_chunk // 32
     one, magic = uint32(constants.one), uint32(constants.int4_magic)
     magic_value = float32(constants.int4_magic_value)
     fp4_shift, unbias_pair, fp4_sign_shift = constants.fp4_shift, uint32(constants.fp4_unbias_pair), 12
@@ -374,13 +393,11 @@ def staged_weights(spec: QuantSpec, n: int, k: int, half: str, chunks: int, slab
     owning `chunks` chunks, `slabs` slabs per stage (see `staging_supported`)."""
     if not staging_supported(spec, n, k, half, slabs):
         raise ValueError(f"{spec.name} (N={n}, K={k}) cannot be staged through shared memory in stages of {slabs} slabs")
-    lane = lane_scales(spec, n, k, half)
-    bits = marlin_tile_bits(spec)
+    lane, geometry = lane_scales(spec, n, k, half), TileGeometry.of(spec, n, k)
+    slab_rows, slab_words = geometry.slab_rows, geometry.slab_words
+    words_per_chunk, words_per_lane = geometry.words_per_chunk, geometry.words_per_lane
     copy_async = ptx.copy_async
     shared4, shared2, shared1 = ptx.load_shared[4], ptx.load_shared[2], ptx.load_shared[1]
-    slab_rows, slab_words = spec.weight.layout.physical_shape((n, k))
-    words_per_chunk = CHUNK_N * SLAB_K * bits // 32
-    words_per_lane = words_per_chunk // 32
     n_chunks = -(-n // CHUNK_N)
     stage_k = slabs * SLAB_K
     group_size = spec.group_size or stage_k * -(-k // stage_k)  # channel-wise: one group

@@ -122,7 +122,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     (cols = K / 2) with `pair_loads`, else int16 halves (cols = K; odd K, or K sorted by
     act-order groups, which gathers each element). A prefill tile (`a_in_shared`) needs
     pairs, rows 16-byte aligned and weights that `fragments.staging_supported` accepts."""
-    reader = fragment_reader(spec, n, k, half, prefetch_scales=True)
+    reader = fragment_reader(spec, n, k, half)
     group_of_slab, column_params, fetch, decode = reader.group_of_slab, reader.column_params, reader.fetch, reader.decode
     output_scale, load_word = reader.output_scale, ptx.load_words[1]
     mma, to_half = ptx.mma(half), ptx.to_half(half)

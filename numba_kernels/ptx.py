@@ -378,20 +378,17 @@ def _check_flat(array, *offsets):
         raise TypeError(f"needs a C-contiguous integer array and integer offsets, got {array}, {offsets}")
 
 
-def _gpu_word_load(count: int, space: str):
-    """An intrinsic loading `count` words at flat element `offset` of an array in
-    `space` ("global": read-only path; "shared": a shared array's generic pointer)."""
+def _gpu_read(asm: str, count: int, address, collective: bool = False):
+    """An intrinsic (array, flat offset) -> `count` uint32 words, the result of `asm`
+    ($0 .. $count-1 the words, $count the address from `address`). A `collective`
+    instruction (the warp's ldmatrix) is kept in place: never moved across a barrier."""
     from llvmlite import ir
     from numba.cuda.extending import intrinsic
 
-    vector = {1: "", 2: ".v2", 4: ".v4"}[count]
-    outputs = ", ".join(f"${n}" for n in range(count))
-    outputs = f"{{{outputs}}}" if count > 1 else outputs
-    asm = f"ld.{'global.nc' if space == 'global' else 'shared'}{vector}.u32 {outputs}, [${count}];"
-    address = _element_pointer if space == "global" else _shared_pointer
+    constraints = ",".join(["=r"] * count + ["l"] + (["~{memory}"] if collective else []))
 
     @intrinsic
-    def load(typingctx, array, offset):
+    def read(typingctx, array, offset):
         _check_flat(array, offset)
         signature = (types.uint32 if count == 1 else types.UniTuple(types.uint32, count))(array, offset)
 
@@ -399,15 +396,24 @@ def _gpu_word_load(count: int, space: str):
             pointer = address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
             i32 = ir.IntType(32)
             result_type = i32 if count == 1 else ir.LiteralStructType([i32] * count)
-            loaded = builder.call(ir.InlineAsm(ir.FunctionType(result_type, [pointer.type]), asm,
-                                               ",".join(["=r"] * count + ["l"])), [pointer])
+            loaded = builder.call(ir.InlineAsm(ir.FunctionType(result_type, [pointer.type]), asm, constraints,
+                                               side_effect=collective), [pointer])
             if count == 1:
                 return loaded
             return context.make_tuple(builder, sig.return_type, [builder.extract_value(loaded, n) for n in range(count)])
 
         return signature, codegen
 
-    return load
+    return read
+
+
+def _gpu_word_load(count: int, space: str):
+    """Load `count` words from an array in `space` ("global": read-only path; "shared")."""
+    vector = {1: "", 2: ".v2", 4: ".v4"}[count]
+    outputs = ", ".join(f"${n}" for n in range(count))
+    outputs = f"{{{outputs}}}" if count > 1 else outputs
+    asm = f"ld.{'global.nc' if space == 'global' else 'shared'}{vector}.u32 {outputs}, [${count}];"
+    return _gpu_read(asm, count, _element_pointer if space == "global" else _shared_pointer)
 
 
 def _gpu_async_copies():
@@ -460,29 +466,6 @@ def _gpu_async_copies():
     return copy_async, commit_copies, {n: wait(n) for n in range(8)}
 
 
-def _gpu_ldmatrix4():
-    from llvmlite import ir
-    from numba.cuda.extending import intrinsic
-
-    asm = "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];"
-
-    @intrinsic
-    def ldmatrix4(typingctx, shared, offset):
-        _check_flat(shared, offset)
-
-        def codegen(context, builder, sig, args):
-            pointer = _shared_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-            i32 = ir.IntType(32)
-            result_type = ir.LiteralStructType([i32] * 4)
-            loaded = builder.call(ir.InlineAsm(ir.FunctionType(result_type, [pointer.type]), asm,
-                                               "=r,=r,=r,=r,l,~{memory}", side_effect=True), [pointer])
-            return context.make_tuple(builder, sig.return_type, [builder.extract_value(loaded, n) for n in range(4)])
-
-        return types.UniTuple(types.uint32, 4)(shared, offset), codegen
-
-    return ldmatrix4
-
-
 # ---------------------------------------------------------------------------------------
 # Public selection: the helper for this mode.
 # ---------------------------------------------------------------------------------------
@@ -499,7 +482,8 @@ load_shared = {n: _twin_load_words(n) if SIMULATED else _gpu_word_load(n, "share
 # commit_copies() closes a group; wait_copies[n]() waits for all groups but the newest n.
 copy_async, commit_copies, wait_copies = _twin_async_copies() if SIMULATED else _gpu_async_copies()
 # ldmatrix4(shared, i): the warp's four 8x8 half matrices, lane l naming a row at word i.
-ldmatrix4 = _twin_ldmatrix4 if SIMULATED else _gpu_ldmatrix4()
+ldmatrix4 = _twin_ldmatrix4 if SIMULATED else _gpu_read(
+    "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];", 4, _shared_pointer, collective=True)
 _load4 = load_words[4]
 
 
