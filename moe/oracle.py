@@ -30,7 +30,7 @@ import torch
 
 from layouts import QuantSpec
 from numba_kernels import interop
-from numba_kernels.fragments import CHUNK_N, SLAB_K, fast_path_supported
+from numba_kernels.fragments import SLAB_K, fast_path_supported
 from numba_kernels.gemm import GemmTile, make_grouped_gemm, pair_loads, prefill_supported
 from numba_kernels.route_align import fusable
 
@@ -82,14 +82,22 @@ def expected_blocks(config: MoEConfig, num_tokens: int, block_m: int) -> int:
     return max(touched, -(-slots // block_m))
 
 
-def _decode_tile(config: MoEConfig, num_tokens: int, n: int, k: int) -> GemmTile:
-    warps_k, depth = 4, 2
-    ctas = expected_blocks(config, num_tokens, 16) * -(-n // CHUNK_N)
+DECODE_TILE = GemmTile(block_m=16, warps_m=1, warps_n=1, warps_k=4, slabs_per_warp=2)
+
+
+def split_to_fill(tile: GemmTile, config: MoEConfig, num_tokens: int, n: int, k: int) -> GemmTile:
+    """`tile` with the K split that gives the grid at least two CTAs per multiprocessor
+    (each split keeping two stages of slabs or more)."""
+    ctas = expected_blocks(config, num_tokens, tile.block_m) * -(-n // tile.block_n)
     slabs = -(-k // SLAB_K)
     split_k = 1
-    while ctas * split_k < 2 * multiprocessors() and slabs // (2 * split_k) >= warps_k * depth:
+    while ctas * split_k < 2 * multiprocessors() and slabs // (2 * split_k) >= tile.stage_slabs:
         split_k *= 2
-    return GemmTile(block_m=16, warps_m=1, warps_n=1, warps_k=warps_k, slabs_per_warp=depth, split_k=split_k)
+    return attrs.evolve(tile, split_k=split_k)
+
+
+def _decode_tile(config: MoEConfig, num_tokens: int, n: int, k: int) -> GemmTile:
+    return split_to_fill(DECODE_TILE, config, num_tokens, n, k)
 
 
 def _prefill_tile() -> GemmTile:

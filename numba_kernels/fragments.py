@@ -226,12 +226,14 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
     constants = HALF_CONSTANTS[half]
     fma2, pack2 = ptx.fma2(half), ptx.pack2(half)
     load4, load2, load1 = ptx.load_words[4], ptx.load_words[2], ptx.load_words[1]
+    and_or, byte_perm = ptx.and_or, ptx.byte_perm
     read_scale, read_zero = scale_reader(spec, n, k), zero_reader(spec, n, k)
     global_multiplier = global_scale_reader(spec)
     size_n = n
     one, magic = uint32(constants.one), uint32(constants.int4_magic)
     magic_value = float32(constants.int4_magic_value)
-    fp4_shift, unbias_pair, fp4_sign_shift = constants.fp4_shift, uint32(constants.fp4_unbias_pair), 12
+    fp4_shift, unbias_pair = constants.fp4_shift, uint32(constants.fp4_unbias_pair)
+    fp4_magnitude = uint32(0x70007 << fp4_shift)  # e2m1 exponent and mantissa bits, moved into a half's
     # 128 + q does not hold an 8-bit code exactly in bfloat16: those go through float32
     # (params then hold float32 bits of the scale and the zero point).
     float32_codes = bits == 8 and half == "bfloat16"
@@ -248,6 +250,7 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
     # e4m3 magnitude bits shifted into a half's exponent and mantissa, then 2**(bias
     # difference): exact for every e4m3 value, subnormals included.
     fp8_shift, fp8_unbias = (4, uint32(0x7B807B80)) if half == "bfloat16" else (7, uint32(0x5C005C00))
+    fp8_magnitude = uint32(0x7F007F << fp8_shift)
 
     @device
     def column_params(weights, e, group, chunk, lane_id, params):
@@ -292,12 +295,13 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
     @device
     def lane_scale_pair(raw, column):
         """The prefetched scale of `column` as a half pair."""
-        if scale_words == 2:
-            stored = (uint32(raw[words_per_lane + column // 4]) >> uint32(8 * (column % 4))) & uint32(0xFF)
-            bits16 = ((stored & uint32(0x80)) << uint32(8)) | ((stored & uint32(0x7F)) << uint32(fp8_shift))
-            return fma2(bits16 | (bits16 << uint32(16)), fp8_unbias, zero_pair)
-        bits16 = (uint32(raw[words_per_lane + column // 2]) >> uint32(16 * (column % 2))) & uint32(0xFFFF)
-        return bits16 | (bits16 << uint32(16))
+        if scale_words == 2:  # the e4m3 byte on top of both halves: sign in place, magnitude shifted down
+            byte = column % 4
+            top = byte_perm(uint32(raw[words_per_lane + column // 4]), uint32(0), uint32(0x0404 + 0x1010 * byte))
+            bits = and_or(top, uint32(0x80008000), (top >> uint32(8 - fp8_shift)) & fp8_magnitude)
+            return fma2(bits, fp8_unbias, zero_pair)
+        half_index = column % 2  # 16-bit scale replicated into both halves
+        return byte_perm(uint32(raw[words_per_lane + column // 2]), uint32(0), uint32(0x1010 + 0x2222 * half_index))
 
     @device
     def lane_offset_pair(raw, column):
@@ -312,8 +316,9 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
     def int_pair(raw, column, r, scale_pair, offset_pair):
         """Fragment register r of `column` from integer codes: (q - zero) * scale."""
         if bits == 4:
-            codes = (uint32(raw[column // 2]) >> uint32(4 * (2 * (column % 2) + r))) & uint32(0x000F000F)
-            return fma2(fma2(codes | magic, one, offset_pair), scale_pair, zero_pair)
+            magic_codes = and_or(uint32(raw[column // 2]) >> uint32(4 * (2 * (column % 2) + r)), uint32(0x000F000F),
+                                 magic)
+            return fma2(fma2(magic_codes, one, offset_pair), scale_pair, zero_pair)
         codes = (uint32(raw[column]) >> uint32(8 * r)) & uint32(0x00FF00FF)
         if not float32_codes:
             return fma2(fma2(codes | magic, one, offset_pair), scale_pair, zero_pair)
@@ -324,9 +329,8 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
     def fp4_pair(raw, column, r, scale_pair):
         """Fragment register r of `column` from e2m1 codes: sign and magnitude bits moved
         into a half's sign, exponent and top mantissa bit, then scaled back exactly."""
-        codes = (uint32(raw[column // 2]) >> uint32(4 * (2 * (column % 2) + r))) & uint32(0x000F000F)
-        shifted = ((codes & uint32(0x00080008)) << uint32(fp4_sign_shift)) | (
-            (codes & uint32(0x00070007)) << uint32(fp4_shift))
+        top = uint32(raw[column // 2]) << uint32(12 - 4 * (2 * (column % 2) + r))  # the code in bits 12-15
+        shifted = and_or(top, uint32(0x80008000), (top >> uint32(12 - fp4_shift)) & fp4_magnitude)
         return fma2(fma2(shifted, unbias_pair, zero_pair), scale_pair, zero_pair)
 
     @device
@@ -362,9 +366,10 @@ class StagedWeights:
 
     plan(e, first_chunk, thread, sources): once per CTA, fill this thread's
         `copies_per_thread` source offsets (int64, -1 for none);
-    copy(weights, sources, first_slab, end_slab, tiles, buffer, thread): this thread's
-        share of a stage's 16-byte `copy_async` copies (zeros past end_slab or the last
-        group; chunks past N are not copied, and no warp reads them);
+    copy(weights, sources, first_slab, tiles, base, thread) / copy_partial(..., remaining):
+        this thread's share of a stage's 16-byte `copy_async` copies into the stage buffer
+        at word `base`; `copy_partial` for the last stage of a K range, `remaining` slabs
+        long (the rest zero-filled). Chunks past N are not copied, and no warp reads them;
     fetch(tiles, buffer, local_slab, local_chunk, lane, raw): the lane's words of one
         slab-chunk in the order the reader's `fetch` gives them, so its `decode` applies.
     """
@@ -373,7 +378,69 @@ class StagedWeights:
     copies_per_thread: int
     plan: object
     copy: object
+    copy_partial: object
     fetch: object
+
+
+@attrs.frozen
+class CopyStream:
+    """The 16-byte units one source array contributes to a stage: `per_row` units of each
+    of its rows the stage covers (a row: one slab of weight words, or one scale group of
+    scales or zero points), `elements_per_chunk` elements of a row per 64-feature chunk."""
+
+    array: int  # index in the kernel's weights tuple
+    units: int
+    per_row: int
+    slabs_per_row: int
+    rows_per_expert: int
+    row_length: int  # elements
+    elements_per_chunk: int
+    elements_per_unit: int
+    first_word: int  # where the stream starts in a stage buffer
+    first_copy: int  # where its copies start in a thread's sources
+
+
+def _stream_copies(stream: CopyStream, threads: int, n_chunks: int, chunks: int):
+    """plan, copy and copy_partial of one stream (see StagedWeights)."""
+    copies, whole = -(-stream.units // threads), stream.units // threads
+    every_chunk = n_chunks % chunks == 0  # no CTA has a chunk past N: every whole copy exists
+    array, units, per_row, slabs_per_row = stream.array, stream.units, stream.per_row, stream.slabs_per_row
+    rows_per_expert, row_length, first_word, first_copy = (stream.rows_per_expert, stream.row_length,
+                                                           stream.first_word, stream.first_copy)
+    per_chunk, per_unit = stream.elements_per_chunk, stream.elements_per_unit
+    copy_async = ptx.copy_async
+
+    @device
+    def plan(e, first_chunk, thread, sources):
+        for i in range(copies):
+            unit = uint32(thread) + uint32(i * threads)  # unsigned: divisions by constants stay cheap
+            sources[first_copy + i] = int64(-1)
+            if unit < uint32(units):
+                element = first_chunk * per_chunk + per_unit * (unit % uint32(per_row))
+                if element < n_chunks * per_chunk:
+                    sources[first_copy + i] = int64(e * rows_per_expert + unit // uint32(per_row)) * row_length + element
+
+    def make_copy(checked: bool):
+        """Copies of a stage; `checked`: zero-fill rows at or past `remaining` slabs."""
+
+        @device
+        def copy(weights, sources, first_slab, remaining, tiles, base, thread):
+            advance = int64(uint32(first_slab) // uint32(slabs_per_row)) * row_length
+            for i in range(copies):
+                unit = uint32(thread) + uint32(i * threads)
+                source = sources[first_copy + i]
+                if (i < whole and every_chunk) or source >= 0:
+                    target = base + first_word + 4 * unit
+                    if checked:
+                        present = (unit // uint32(per_row)) * uint32(slabs_per_row) < remaining
+                        copy_async(tiles, target, weights[array], source + advance if present else int64(0),
+                                   16 if present else 0)
+                    else:
+                        copy_async(tiles, target, weights[array], source + advance, 16)
+
+        return copy
+
+    return plan, make_copy(False), make_copy(True)
 
 
 def staging_supported(spec: QuantSpec, n: int, k: int, half: str, stage_slabs: int) -> bool:
@@ -394,70 +461,50 @@ def staged_weights(spec: QuantSpec, n: int, k: int, half: str, chunks: int, slab
     if not staging_supported(spec, n, k, half, slabs):
         raise ValueError(f"{spec.name} (N={n}, K={k}) cannot be staged through shared memory in stages of {slabs} slabs")
     lane, geometry = lane_scales(spec, n, k, half), TileGeometry.of(spec, n, k)
-    slab_rows, slab_words = geometry.slab_rows, geometry.slab_words
     words_per_chunk, words_per_lane = geometry.words_per_chunk, geometry.words_per_lane
-    copy_async = ptx.copy_async
     shared4, shared2, shared1 = ptx.load_shared[4], ptx.load_shared[2], ptx.load_shared[1]
     n_chunks = -(-n // CHUNK_N)
     stage_k = slabs * SLAB_K
     group_size = spec.group_size or stage_k * -(-k // stage_k)  # channel-wise: one group
     stage_groups = max(1, stage_k // group_size)
-    groups, row_elements, zero_row = lane.groups, lane.row_elements, lane.zero_row_words
+    slabs_per_group = group_size // SLAB_K
     scale_words, zero_words = lane.scale_words, int(lane.zero_row_words > 0)
     chunk_scale_words = CHUNK_N * scale_words // 8  # a chunk's 64 scales (2 or 1 bytes each), in words
-    element_per_unit = 16 // (2 if scale_words == 4 else 1)
-    # Units of 16 bytes: weights, then scales, then zero points.
-    weight_units = slabs * chunks * words_per_chunk // 4
-    scale_units = stage_groups * chunks * chunk_scale_words // 4
-    zero_units = stage_groups * chunks * 2 * zero_words
-    weight_words, scale_total = 4 * weight_units, 4 * scale_units
-    stage_words = weight_words + scale_total + 4 * zero_units
-    units = weight_units + scale_units + zero_units
-    copies_per_thread = -(-units // threads)
-    units_per_slab = chunks * words_per_chunk // 4
-    group_scale_units = scale_units // stage_groups
+    # Weight words per slab, then scales and zero points per group, each in 16-byte units.
+    weights = CopyStream(0, slabs * chunks * words_per_chunk // 4, chunks * words_per_chunk // 4, 1, geometry.slab_rows,
+                         geometry.slab_words, words_per_chunk, 4, 0, 0)
+    scales = CopyStream(1, stage_groups * chunks * chunk_scale_words // 4, chunks * chunk_scale_words // 4,
+                        slabs_per_group, lane.groups, lane.row_elements, CHUNK_N, 16 // (2 if scale_words == 4 else 1),
+                        4 * weights.units, -(-weights.units // threads))
+    zeros = CopyStream(2, stage_groups * chunks * 2 * zero_words, chunks * 2, slabs_per_group, lane.groups,
+                       lane.zero_row_words, 8, 4, scales.first_word + 4 * scales.units,
+                       scales.first_copy + -(-scales.units // threads))
+    weight_words, scale_total = 4 * weights.units, 4 * scales.units
+    stage_words = zeros.first_word + 4 * zeros.units
+    copies_per_thread = zeros.first_copy + -(-zeros.units // threads)
+    (plan_w, copy_w, partial_w), (plan_s, copy_s, partial_s), (plan_z, copy_z, partial_z) = (
+        _stream_copies(stream, threads, n_chunks, chunks) for stream in (weights, scales, zeros))
+    full_stage = uint32(slabs)
 
     @device
     def plan(e, first_chunk, thread, sources):
         """Once per CTA: the flat source element of each of this thread's copies in the
         stage of slab 0 (-1: none, or past N), so a stage's copy is one add away."""
-        for i in range(copies_per_thread):
-            unit = uint32(thread) + uint32(i * threads)  # unsigned: divisions by constants stay cheap
-            sources[i] = int64(-1)
-            if unit < uint32(weight_units):
-                word = first_chunk * words_per_chunk + 4 * (unit % uint32(units_per_slab))
-                if word < n_chunks * words_per_chunk:
-                    sources[i] = int64(e * slab_rows + unit // uint32(units_per_slab)) * slab_words + word
-            elif unit < uint32(weight_units + scale_units):
-                u = unit - uint32(weight_units)
-                element = first_chunk * CHUNK_N + element_per_unit * (u % uint32(group_scale_units))
-                if element < n_chunks * CHUNK_N:
-                    sources[i] = int64(e * groups + u // uint32(group_scale_units)) * row_elements + element
-            elif unit < uint32(units):
-                u = unit - uint32(weight_units + scale_units)
-                word = first_chunk * 8 + 4 * (u % uint32(2 * chunks))
-                if word < n_chunks * 8:
-                    sources[i] = int64(e * groups + u // uint32(2 * chunks)) * zero_row + word
+        plan_w(e, first_chunk, thread, sources)
+        plan_s(e, first_chunk, thread, sources)
+        plan_z(e, first_chunk, thread, sources)
 
     @device
-    def copy(weights, sources, first_slab, end_slab, tiles, buffer, thread):
-        base = buffer * stage_words
-        first_group = first_slab * SLAB_K // group_size
-        for i in range(copies_per_thread):
-            unit = uint32(thread) + uint32(i * threads)
-            if sources[i] >= 0:
-                if unit < uint32(weight_units):
-                    present = first_slab + unit // uint32(units_per_slab) < end_slab
-                    source, array = sources[i] + first_slab * slab_words, weights[0]
-                    copy_async(tiles, base + 4 * unit, array, source if present else int64(0), 16 if present else 0)
-                elif unit < uint32(weight_units + scale_units):
-                    present = first_group + (unit - uint32(weight_units)) // uint32(group_scale_units) < groups
-                    source = sources[i] + first_group * row_elements
-                    copy_async(tiles, base + 4 * unit, weights[1], source if present else int64(0), 16 if present else 0)
-                else:
-                    present = first_group + (unit - uint32(weight_units + scale_units)) // uint32(2 * chunks) < groups
-                    source = sources[i] + first_group * zero_row
-                    copy_async(tiles, base + 4 * unit, weights[2], source if present else int64(0), 16 if present else 0)
+    def copy(weights, sources, first_slab, tiles, base, thread):
+        copy_w(weights, sources, first_slab, full_stage, tiles, base, thread)
+        copy_s(weights, sources, first_slab, full_stage, tiles, base, thread)
+        copy_z(weights, sources, first_slab, full_stage, tiles, base, thread)
+
+    @device
+    def copy_partial(weights, sources, first_slab, remaining, tiles, base, thread):
+        partial_w(weights, sources, first_slab, remaining, tiles, base, thread)
+        partial_s(weights, sources, first_slab, remaining, tiles, base, thread)
+        partial_z(weights, sources, first_slab, remaining, tiles, base, thread)
 
     @device
     def fetch(tiles, buffer, local_slab, local_chunk, lane_id, raw):
@@ -477,7 +524,7 @@ def staged_weights(spec: QuantSpec, n: int, k: int, half: str, chunks: int, slab
             raw[words_per_lane + scale_words] = shared1(tiles, base + weight_words + scale_total + column * 8
                                                                 + lane_id // 4)
 
-    return StagedWeights(stage_words, copies_per_thread, plan, copy, fetch)
+    return StagedWeights(stage_words, copies_per_thread, plan, copy, copy_partial, fetch)
 
 
 def _no_groups():

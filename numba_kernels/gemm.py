@@ -159,7 +159,8 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                              "not sorted by act-order groups")
         staged = staged_weights(spec, n, k, half, warps_n, stage_slabs, threads)
     stage_words, w_copies = (staged.stage_words, staged.copies_per_thread) if staged else (1, 1)
-    plan_weights, copy_weights, fetch_weights = (staged.plan, staged.copy, staged.fetch) if staged else (None,) * 3
+    plan_weights, copy_weights, copy_weights_partial, fetch_weights = (
+        (staged.plan, staged.copy, staged.copy_partial, staged.fetch) if staged else (None,) * 4)
     shared_bytes = 4 * (block_m + reduce_warps * teams * reduce_values
                         + (stages * (block_m * row_words + stage_words) if a_in_shared else 0))
     if shared_bytes > SHARED_MEMORY_BYTES:
@@ -228,36 +229,53 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     # -- prefill: both operands staged through shared memory by a cp.async pipeline --------------
 
     @ptx.device
-    def plan_activation_copies(slots, num_slots, rows_div, thread, a_source, a_target):
+    def plan_activation_copies(slots, num_slots, rows_div, thread, a_source, a_target, a_slab):
         """Once per CTA: where this thread's 16-byte activation copies come from (flat pair
-        offset at stage 0, -1 for none) and go to (word in a stage buffer); the same for
-        every stage, shifted by the stage's K."""
+        offset at stage 0, -1 for none), go to (word in a stage buffer) and which slab of
+        the stage they belong to; the same for every stage, shifted by the stage's K."""
         for i in range(a_copies):
             unit = uint32(thread) + uint32(i * threads)
-            a_source[i], a_target[i] = int64(-1), 0
+            a_source[i], a_target[i], a_slab[i] = int64(-1), 0, 0
             if unit < uint32(a_units):
                 m, c = unit // uint32(a_units_per_row), unit % uint32(a_units_per_row)
                 slot = slots[m]
                 row = slot // rows_div if slot < num_slots else 0  # padding rows read row 0
                 a_source[i] = int64(row) * pairs_per_row + 4 * c
                 a_target[i] = m * uint32(row_words) + 4 * c
+                a_slab[i] = c // uint32(2)
+
+    def activation_copier(checked: bool):
+        """This thread's copies of the block's activations for a stage at word `base`;
+        `checked`: zero-fill the slabs at or past `remaining`."""
+
+        @ptx.device
+        def copy_activations(act, stage, remaining, a_source, a_target, a_slab, a_tiles, base):
+            for i in range(a_copies):
+                if i < a_units // threads or a_source[i] >= 0:
+                    source = a_source[i] + stage * (SLAB_K // 2)
+                    if checked:
+                        present = a_slab[i] < remaining
+                        copy_async(a_tiles, base + a_target[i], act, source if present else int64(0), 16 if present else 0)
+                    else:
+                        copy_async(a_tiles, base + a_target[i], act, source, 16)
+
+        return copy_activations
+
+    copy_activations, copy_activations_partial = activation_copier(False), activation_copier(True)
 
     @ptx.device
-    def copy_activations(act, stage, end_slab, a_source, a_target, a_tiles, buffer):
-        """This thread's copies of the block's activations for `stage` (zeros past end_slab)."""
-        for i in range(a_copies):
-            if a_source[i] >= 0:
-                c = a_target[i] % uint32(row_words)
-                present = stage + c // uint32(SLAB_K // 2) < end_slab
-                copy_async(a_tiles, buffer * (block_m * row_words) + a_target[i], act,
-                           a_source[i] + stage * (SLAB_K // 2) if present else int64(0), 16 if present else 0)
-
-    @ptx.device
-    def issue_stage(act, weights, stage, end_slab, a_source, a_target, w_source, a_tiles, w_tiles, buffer, thread):
+    def issue_stage(act, weights, stage, end_slab, a_source, a_target, a_slab, w_source, a_tiles, w_tiles, buffer,
+                    thread):
         """Start the copies of `stage` into `buffer`: one commit group, empty past the end."""
         if stage < end_slab:
-            copy_activations(act, stage, end_slab, a_source, a_target, a_tiles, buffer)
-            copy_weights(weights, w_source, stage, end_slab, w_tiles, buffer, thread)
+            remaining = uint32(end_slab - stage)
+            a_base, w_base = uint32(buffer) * uint32(block_m * row_words), uint32(buffer) * uint32(stage_words)
+            if remaining >= uint32(stage_slabs):
+                copy_activations(act, stage, remaining, a_source, a_target, a_slab, a_tiles, a_base)
+                copy_weights(weights, w_source, stage, w_tiles, w_base, thread)
+            else:
+                copy_activations_partial(act, stage, remaining, a_source, a_target, a_slab, a_tiles, a_base)
+                copy_weights_partial(weights, w_source, stage, remaining, w_tiles, w_base, thread)
         ptx.commit_copies()
 
     @ptx.device
@@ -323,20 +341,21 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                 a_words = cuda.local.array((m_tiles, 4), uint32)
                 a_source = cuda.local.array(a_copies, int64)
                 a_target = cuda.local.array(a_copies, uint32)
-                plan_activation_copies(slots, num_slots, rows_div, tid, a_source, a_target)
+                a_slab = cuda.local.array(a_copies, uint32)
+                plan_activation_copies(slots, num_slots, rows_div, tid, a_source, a_target, a_slab)
                 w_source = cuda.local.array(w_copies, int64)
                 plan_weights(expert, cuda.blockIdx.y * warps_n, tid, w_source)
                 a_lane = (first_row + lane % 16) * row_words + 4 * (lane // 16)
                 for s in range(stages - 1):
-                    issue_stage(act, weights, start_slab + s * stage_slabs, end_slab, a_source, a_target, w_source,
-                                a_tiles, w_tiles, s, tid)
+                    issue_stage(act, weights, start_slab + s * stage_slabs, end_slab, a_source, a_target, a_slab,
+                                w_source, a_tiles, w_tiles, s, tid)
                 stage, buffer = start_slab, 0
                 while stage < end_slab:
                     wait_copies()  # this stage's copies (every older group) have landed...
                     cuda.syncthreads()  # ...for every thread, and the previous stage's buffer is free
                     ahead = buffer - 1 if buffer > 0 else stages - 1
                     issue_stage(act, weights, stage + (stages - 1) * stage_slabs, end_slab, a_source, a_target,
-                                w_source, a_tiles, w_tiles, ahead, tid)
+                                a_slab, w_source, a_tiles, w_tiles, ahead, tid)
                     group = multiply_stage(weights, expert, stage, weight_end, wk, wn, a_lane, chunk, lane, a_tiles,
                                            w_tiles, buffer, raw, params, frags, group, a_words, acc)
                     stage += stage_slabs

@@ -9,6 +9,8 @@ helper                   PTX                                 used for
 ``mma(a, b, c)``         mma.sync.m16n8k16 (bf16 or f16)     the GEMMs' inner product
 ``fma2(a, b, c)``        fma.rn.{bf16x2,f16x2}               dequantising two codes
 ``pack2(lo, hi)``        cvt.rn.{bf16x2,f16x2}.f32           float32 pair -> half pair
+``and_or(a, m, b)``      lop3.b32 (a & m) | b                codes -> half bits, one op
+``byte_perm(a, b, s)``   prmt.b32                            scale bytes -> half pairs
 ``to_half(x)``           cvt.rn.{bf16,f16}.f32               one float32 -> half bits
 ``half_to_f32(h)``       cvt.f32.f16 (bf16: a shift)         half bits -> float32
 ``f32_bits / bits_f32``  mov.b32 (libdevice bit casts)       integer bit tricks
@@ -122,6 +124,15 @@ extern "C" __device__ int NAME(unsigned* d, float lo, float hi) {               
 PACK2(numba_moe_pack_bf16x2, "bf16x2")
 PACK2(numba_moe_pack_f16x2, "f16x2")
 
+extern "C" __device__ int numba_moe_and_or(unsigned* d, unsigned a, unsigned mask, unsigned bits) {
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(*d) : "r"(a), "r"(mask), "r"(bits));
+  return 0;
+}
+extern "C" __device__ int numba_moe_byte_perm(unsigned* d, unsigned a, unsigned b, unsigned selector) {
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(*d) : "r"(a), "r"(b), "r"(selector));
+  return 0;
+}
+
 extern "C" __device__ int numba_moe_to_bf16(unsigned* d, float x) {
   unsigned short h;
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
@@ -155,6 +166,7 @@ def _declared():
         "pack_bf16": ("numba_moe_pack_bf16x2", pack_sig), "pack_f16": ("numba_moe_pack_f16x2", pack_sig),
         "to_bf16": ("numba_moe_to_bf16", uint32(float32)), "to_f16": ("numba_moe_to_f16", uint32(float32)),
         "f16_to_f32": ("numba_moe_f16_to_f32", float32(uint32)),
+        "and_or": ("numba_moe_and_or", fma_sig), "byte_perm": ("numba_moe_byte_perm", fma_sig),
     }
     return {key: cuda.declare_device(name, sig, link=source) for key, (name, sig) in names.items()}
 
@@ -210,6 +222,23 @@ def _twin_to_half(half: str):
         return np.uint32(round_to_half_bits(np.float64(np.float32(x)), half))
 
     return to_half
+
+
+def _twin_and_or(a, mask, bits):
+    return np.uint32((int(a) & int(mask) | int(bits)) & 0xFFFFFFFF)
+
+
+def _twin_byte_perm(a, b, selector):
+    """prmt.b32's default mode: result byte i is byte (selector nibble i) & 7 of b:a,
+    replicated sign bit where the nibble's bit 3 is set."""
+    source, result = (int(b) & 0xFFFFFFFF) << 32 | int(a) & 0xFFFFFFFF, 0
+    for i in range(4):
+        nibble = (int(selector) >> 4 * i) & 0xF
+        byte = (source >> 8 * (nibble & 7)) & 0xFF
+        if nibble & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        result |= byte << 8 * i
+    return np.uint32(result)
 
 
 def _twin_f16_to_f32(h):
@@ -485,6 +514,11 @@ copy_async, commit_copies, wait_copies = _twin_async_copies() if SIMULATED else 
 ldmatrix4 = _twin_ldmatrix4 if SIMULATED else _gpu_read(
     "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];", 4, _shared_pointer, collective=True)
 _load4 = load_words[4]
+# and_or(a, mask, bits) = (a & mask) | bits in one instruction (ptxas splits the pair when
+# both constants are immediates): the int4 code -> magic-half step of dequantisation.
+# byte_perm(a, b, selector): bytes of b:a picked by the selector's nibbles (prmt.b32).
+and_or = _twin_and_or if SIMULATED else _declared()["and_or"]
+byte_perm = _twin_byte_perm if SIMULATED else _declared()["byte_perm"]
 
 
 @device

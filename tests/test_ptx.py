@@ -134,6 +134,38 @@ def test_flat_word_loads_read_little_endian_words_of_any_integer_width(dtype):
     np.testing.assert_array_equal(loaded[:, 6], words[:, 2])
 
 
+def _byte_perm_spec(a: int, b: int, selector: int) -> int:
+    """prmt.b32 by its PTX definition: bytes 0-3 of a then 4-7 of b; selector nibble i
+    picks result byte i, its bit 3 asking for the picked byte's sign replicated."""
+    source = a.to_bytes(4, "little") + b.to_bytes(4, "little")
+    out = bytearray()
+    for i in range(4):
+        nibble = selector >> 4 * i & 0xF
+        byte = source[nibble & 7]
+        out.append((0xFF if byte & 0x80 else 0) if nibble & 8 else byte)
+    return int.from_bytes(bytes(out), "little")
+
+
+def test_bit_operations_match_their_definitions():
+    @ptx.kernel
+    def run(a, b, c, selectors, anded, permuted):
+        i = cuda.threadIdx.x
+        anded[i] = ptx.and_or(uint32(a[i]), uint32(b[i]), uint32(c[i]))
+        permuted[i] = ptx.byte_perm(uint32(a[i]), uint32(b[i]), uint32(selectors[i]))
+
+    rng = np.random.default_rng(3)
+    a, b, c = (rng.integers(0, 2**32, 16, dtype=np.uint64).astype(np.uint32) for _ in range(3))
+    selectors = np.array([0x3210, 0x7654, 0x1010, 0x3232, 0x0404, 0x1414, 0x8888, 0xBA98]
+                         + list(rng.integers(0, 2**16, 8)), np.uint32)
+    anded, permuted = np.zeros(16, np.uint32), np.zeros(16, np.uint32)
+    run[1, 16](a, b, c, selectors, anded, permuted)
+    np.testing.assert_array_equal(anded, a & b | c)
+    expected = [_byte_perm_spec(int(x), int(y), int(s)) for x, y, s in zip(a, b, selectors)]
+    np.testing.assert_array_equal(permuted, np.array(expected, np.uint32))
+    assert _byte_perm_spec(0x44332211, 0x88776655, 0x3210) == 0x44332211  # identity
+    assert _byte_perm_spec(0x000000F0, 0, 0x8888) == 0xFFFFFFFF  # sign of byte 0 replicated
+
+
 def test_half_rounding_reference_ties_to_even():
     # 1 + 2**-8 lies halfway between two bfloat16 neighbours: it rounds to the even one (1.0)
     assert round_to_half_bits(1 + 2.0**-8, "bfloat16") == 0x3F80
