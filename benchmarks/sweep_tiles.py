@@ -24,9 +24,16 @@ from bench_moe import FORMATS, SHAPES
 
 FAMILIES = {
     "decode-global": DECODE_TILE,
+    "decode-swap": GemmTile(block_m=8, warps_k=4, slabs_per_warp=2, swap_ab=True),
     "decode-staged-k4": GemmTile(block_m=16, warps_n=1, warps_k=4, slabs_per_warp=2, stages=4, a_in_shared=True),
     "decode-staged-n2k2": GemmTile(block_m=16, warps_n=2, warps_k=2, slabs_per_warp=2, stages=5, a_in_shared=True),
     "decode-staged-n4": GemmTile(block_m=16, warps_n=4, warps_k=1, slabs_per_warp=2, stages=6, a_in_shared=True),
+    "prefill-32x256": GemmTile(block_m=32, warps_n=4, warps_k=1, slabs_per_warp=2, stages=4, a_in_shared=True),
+    "prefill-64x256": GemmTile(block_m=64, warps_n=4, warps_k=1, slabs_per_warp=2, stages=4, a_in_shared=True),
+    "prefill-64x512": GemmTile(block_m=64, warps_n=8, warps_k=1, slabs_per_warp=2, stages=3, a_in_shared=True),
+    "prefill-128x256": GemmTile(block_m=128, warps_m=2, warps_n=4, warps_k=1, slabs_per_warp=2, stages=3,
+                                a_in_shared=True),
+    "prefill-64x256-s3": GemmTile(block_m=64, warps_n=4, warps_k=1, slabs_per_warp=2, stages=3, a_in_shared=True),
 }
 
 
@@ -35,7 +42,8 @@ def main(argv=None) -> None:
     parser.add_argument("--shapes", nargs="+", default=["mixtral", "qwen3"], choices=sorted(SHAPES))
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 16])
-    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES) + ["heuristic"])
+    parser.add_argument("--families", nargs="+", default=["decode-global", "decode-swap"],
+                        choices=list(FAMILIES) + ["heuristic"])
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     rows = []

@@ -5,11 +5,14 @@ call shape, another builds the kernels. Nothing else in the runner makes these c
 of this device (`moe/tuned/<device>.json`, written by `python -m moe.tune`) and falls
 back to a heuristic:
 
-* decode (few tokens per expert): one 16-row block per expert, A fragments straight from
-  global memory, 4 warps splitting K, 2 slabs per batch each (double buffered), and a K
-  split across CTAs large enough that the grid fills every multiprocessor twice. On the
-  H200 (2026-11-23, M = 1) 2 slabs beat 4 and 8 by 1.0 to 1.5x: 125 registers let four
-  CTAs share a multiprocessor instead of three, and more warps hide more latency;
+* decode (few tokens per expert): operands straight from global memory, 4 warps splitting
+  K, 2 slabs per batch each (double buffered), and a K split across CTAs large enough
+  that the grid fills every multiprocessor twice. Up to 4 slots per expert the operands
+  are swapped (`GemmTile.swap_ab`: 16 weight rows x 8 slots per mma, blocks of 8 slots),
+  beyond that 16-slot blocks. On the H200 (2026-11-23) the swap was 1.0x to 1.27x faster
+  at M = 1 to 16 on the three benchmark shapes (`benchmarks/sweep_tiles.py`), 2 slabs
+  beat 4 and 8 (registers: more CTAs per multiprocessor hide more latency), and
+  shared-memory pipelines of 16-slot blocks were 1.0x to 2x slower at M <= 16;
 * prefill: blocks of 64 slots, both operands staged in shared memory by a `cp.async`
   pipeline, warps of 64 rows x 64 features (every decoded weight fragment feeds four
   mma), four warps along N, no K split. Weights whose layout cannot be staged
@@ -38,6 +41,7 @@ from .config import MoEConfig
 
 TUNED_DIR = Path(__file__).parent / "tuned"
 DECODE_TOKENS_PER_EXPERT = 16
+SWAP_TOKENS_PER_EXPERT = 4
 FUSED_ROUTING_TOKENS = 4
 """Up to this many tokens one block routes and aligns them in one launch (`route_align`):
 it routes tokens one after another, so the launch it saves (about 2 us) stops paying
@@ -83,6 +87,7 @@ def expected_blocks(config: MoEConfig, num_tokens: int, block_m: int) -> int:
 
 
 DECODE_TILE = GemmTile(block_m=16, warps_m=1, warps_n=1, warps_k=4, slabs_per_warp=2)
+SWAPPED_DECODE_TILE = GemmTile(block_m=8, warps_m=1, warps_n=1, warps_k=4, slabs_per_warp=2, swap_ab=True)
 
 
 def split_to_fill(tile: GemmTile, config: MoEConfig, num_tokens: int, n: int, k: int) -> GemmTile:
@@ -96,8 +101,12 @@ def split_to_fill(tile: GemmTile, config: MoEConfig, num_tokens: int, n: int, k:
     return attrs.evolve(tile, split_k=split_k)
 
 
-def _decode_tile(config: MoEConfig, num_tokens: int, n: int, k: int) -> GemmTile:
-    return split_to_fill(DECODE_TILE, config, num_tokens, n, k)
+def _decode_backend(config: MoEConfig, num_tokens: int) -> Backend:
+    per_expert = num_tokens * config.top_k / config.num_local_experts
+    tile = SWAPPED_DECODE_TILE if per_expert <= SWAP_TOKENS_PER_EXPERT else DECODE_TILE
+    h, i, n1 = config.hidden_size, config.intermediate_size, config.gate_up_size
+    return Backend(tile.block_m, split_to_fill(tile, config, num_tokens, n1, h),
+                   split_to_fill(tile, config, num_tokens, h, i))
 
 
 def _prefill_tile() -> GemmTile:
@@ -113,7 +122,7 @@ def heuristic_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec | None
     """The untuned choice; with `spec`, prefill tiles only where its weights can be staged."""
     per_expert = num_tokens * config.top_k / config.num_local_experts
     h, i, n1 = config.hidden_size, config.intermediate_size, config.gate_up_size
-    decode = Backend(16, _decode_tile(config, num_tokens, n1, h), _decode_tile(config, num_tokens, h, i))
+    decode = _decode_backend(config, num_tokens)
     if per_expert <= DECODE_TOKENS_PER_EXPERT:
         return decode
     tile1 = tile2 = _prefill_tile()

@@ -4,8 +4,9 @@ token count to `moe/tuned/<device>.json`, which the oracle (`select_backend`) re
 For each token count M it routes M random tokens, and for each alignment block size
 times every candidate tile of gemm1 and of gemm2 on that alignment (CUDA-graph replays,
 L2 flushed), keeping the fastest pair; the block size with the smallest sum wins. The
-candidates are the oracle's own families (`candidate_tiles`): decode tiles (16-row
-blocks, A straight from global memory, K split over warps and CTAs) and prefill tiles
+candidates are the oracle's own families (`candidate_tiles`): decode tiles (16-slot
+blocks, or 8-slot blocks with swapped operands; operands straight from global memory, K
+split over warps and CTAs) and prefill tiles
 (32 to 128-row blocks staged in shared memory); a tile that the layout or the shared
 memory cannot take is skipped. Weights are random bits in the kernel
 layout: timing does not depend on their values.
@@ -51,6 +52,10 @@ def candidate_tiles(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTile
             for split_k in (1, 2, 4, 8):
                 if split_k == 1 or slabs // split_k >= warps_k * 2:
                     tiles.append(GemmTile(block_m=16, warps_k=warps_k, slabs_per_warp=2, split_k=split_k))
+    if per_expert <= 8:
+        for split_k in (1, 2, 4, 8):
+            if split_k == 1 or slabs // split_k >= 8:
+                tiles.append(GemmTile(block_m=8, warps_k=4, slabs_per_warp=2, split_k=split_k, swap_ab=True))
     if per_expert > 4:
         for block_m, warps_m, warps_n, depth, stages in PREFILL_SHAPES:
             tiles.append(GemmTile(block_m=block_m, warps_m=warps_m, warps_n=warps_n, warps_k=1, slabs_per_warp=depth,

@@ -75,6 +75,10 @@ class GemmTile:
     a_in_shared:    stage both operands through shared memory (prefill) or read them from
                     global memory (decode).
     stages:         buffers of the prefill pipeline (stages - 1 copies in flight).
+    swap_ab:        decode with the weights as the mma's A operand (16 features x 16 K)
+                    and 8 token slots as its B operand: blocks of 8 slots, half the mma,
+                    accumulators and activation loads of a 16-slot block (a few tokens per
+                    expert, the decode case).
     """
 
     block_m: int = attrs.field(default=16, validator=_positive_power_of_two)
@@ -86,9 +90,13 @@ class GemmTile:
     a_in_shared: bool = False
     stages: int = attrs.field(default=3, validator=attrs.validators.and_(attrs.validators.ge(2),
                                                                           attrs.validators.le(8)))
+    swap_ab: bool = False
 
     def __attrs_post_init__(self):
-        if self.block_m < 16 or self.block_m % (16 * self.warps_m):
+        if self.swap_ab:
+            if self.block_m != 8 or self.warps_m != 1 or self.a_in_shared:
+                raise ValueError(f"swap_ab takes blocks of 8 slots, warps_m = 1 and no a_in_shared, got {self}")
+        elif self.block_m < 16 or self.block_m % (16 * self.warps_m):
             raise ValueError(f"block_m ({self.block_m}) must be a multiple of 16 * warps_m ({16 * self.warps_m})")
         if self.threads > 1024:
             raise ValueError(f"a tile of {self.threads} threads exceeds the 1024 a CTA may have")
@@ -131,7 +139,11 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     block_m, threads, a_in_shared, stages = tile.block_m, tile.threads, tile.a_in_shared, tile.stages
     warps_n, warps_k, depth, stage_slabs = tile.warps_n, tile.warps_k, tile.slabs_per_warp, tile.stage_slabs
     warp_rows = block_m // tile.warps_m
-    m_tiles = warp_rows // 16
+    swap_ab = tile.swap_ab
+    m_tiles = 1 if swap_ab else warp_rows // 16  # 16-row A tiles of activations (8-slot B tile when swapped)
+    # Accumulator tiles (i, j): (m tile, n8 tile of features), or (16 features, the 8 slots) swapped.
+    acc_i, acc_j = (CHUNK_N // 16, 1) if swap_ab else (m_tiles, 8)
+    row_halves = 1 if swap_ab else 2  # activation rows a lane reads per m tile: g (and g + 8)
     teams = warps_n * tile.warps_m  # warps that own distinct output tiles
     total_slabs = -(-k // SLAB_K)
     slabs_per_split = -(-total_slabs // tile.split_k)
@@ -141,7 +153,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     n_chunks = -(-n // CHUNK_N)
     raw_words = reader.raw_words
     reduce_warps = max(warps_k - 1, 1)
-    reduce_values = m_tiles * 8 * 4 * 32 if warps_k > 1 else 1  # accumulators of one warp
+    reduce_values = acc_i * acc_j * 4 * 32 if warps_k > 1 else 1  # accumulators of one warp
     # Decode reads A pairs with one flat load each: padding rows read row 0 instead (their
     # outputs are never stored, and an mma row depends on its own A row only).
     flat_a = pair_loads and size_k % SLAB_K == 0
@@ -188,20 +200,28 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         if slab_group != group:
             column_params(weights, expert, slab_group, chunk, lane, params)
         decode(raw_slab, params, weights, expert, slab, chunk, lane, frags)
-        for mt in range(m_tiles):
-            for nt in range(8):
-                acc[mt, nt, 0], acc[mt, nt, 1], acc[mt, nt, 2], acc[mt, nt, 3] = mma(
-                    a_words[mt, 0], a_words[mt, 1], a_words[mt, 2], a_words[mt, 3], frags[2 * nt], frags[2 * nt + 1],
-                    acc[mt, nt, 0], acc[mt, nt, 1], acc[mt, nt, 2], acc[mt, nt, 3])
+        if swap_ab:  # A = 16 features: the B fragments of two n8 tiles, interleaved (fragments docstring)
+            for j in range(acc_i):
+                acc[j, 0, 0], acc[j, 0, 1], acc[j, 0, 2], acc[j, 0, 3] = mma(
+                    frags[4 * j], frags[4 * j + 2], frags[4 * j + 1], frags[4 * j + 3], a_words[0, 0], a_words[0, 1],
+                    acc[j, 0, 0], acc[j, 0, 1], acc[j, 0, 2], acc[j, 0, 3])
+        else:
+            for mt in range(m_tiles):
+                for nt in range(8):
+                    acc[mt, nt, 0], acc[mt, nt, 1], acc[mt, nt, 2], acc[mt, nt, 3] = mma(
+                        a_words[mt, 0], a_words[mt, 1], a_words[mt, 2], a_words[mt, 3], frags[2 * nt],
+                        frags[2 * nt + 1], acc[mt, nt, 0], acc[mt, nt, 1], acc[mt, nt, 2], acc[mt, nt, 3])
         return slab_group
 
     # -- decode: A words fetched with the weights, straight from global memory -------------------
 
     @ptx.device
-    def a_word(act, weights, expert, row, kp):
+    def a_word(act, weights, expert, row, slab, t, r):
+        """The lane's activation pair of `row` at k = 16 slab + 2t + 8r. With flat loads
+        `row` is already the pair offset of (row, 2t): one add per slab, the rest immediate."""
         if flat_a:
-            return load_word(act, int64(row) * pairs_per_row + (uint32(kp) >> uint32(1)))
-        return activation_pair(act, weights[4], expert, row, kp)
+            return load_word(act, row + slab * (SLAB_K // 2) + 4 * r)
+        return activation_pair(act, weights[4], expert, row, slab * SLAB_K + 2 * t + 8 * r)
 
     @ptx.device
     def fetch_batch(act, weights, expert, first_slab, end_slab, chunk, lane, rows, raw, a_raw):
@@ -211,12 +231,15 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
             slab = first_slab + d * warps_k
             if slab < end_slab:
                 fetch(weights, expert, slab, chunk, lane, raw[d])
-                kp = slab * SLAB_K + 2 * t
                 for mt in range(m_tiles):
-                    a_raw[d, mt, 0] = a_word(act, weights, expert, rows[mt, 0], kp)
-                    a_raw[d, mt, 1] = a_word(act, weights, expert, rows[mt, 1], kp)
-                    a_raw[d, mt, 2] = a_word(act, weights, expert, rows[mt, 0], kp + 8)
-                    a_raw[d, mt, 3] = a_word(act, weights, expert, rows[mt, 1], kp + 8)
+                    if swap_ab:  # B fragment: slot g's pairs at k = 2t and 2t + 8
+                        a_raw[d, mt, 0] = a_word(act, weights, expert, rows[mt, 0], slab, t, 0)
+                        a_raw[d, mt, 1] = a_word(act, weights, expert, rows[mt, 0], slab, t, 1)
+                    else:
+                        a_raw[d, mt, 0] = a_word(act, weights, expert, rows[mt, 0], slab, t, 0)
+                        a_raw[d, mt, 1] = a_word(act, weights, expert, rows[mt, 1], slab, t, 0)
+                        a_raw[d, mt, 2] = a_word(act, weights, expert, rows[mt, 0], slab, t, 1)
+                        a_raw[d, mt, 3] = a_word(act, weights, expert, rows[mt, 1], slab, t, 1)
 
     @ptx.device
     def multiply_batch(weights, expert, first_slab, end_slab, chunk, lane, raw, a_raw, params, frags, group, acc):
@@ -295,6 +318,14 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                 group = multiply_slab(weights, expert, slab, chunk, lane, raw, params, frags, group, a_words, acc)
         return group
 
+    @ptx.device
+    def store(out, split, slot, col, value):
+        if col < size_n:
+            if partial_output:
+                out[split, slot, col] = value
+            else:
+                out[slot, col] = int16(to_half(value))
+
     @ptx.kernel
     def grouped_gemm(act, weights, sorted_ids, expert_ids, num_post_padded, topk_weights, out, num_slots, rows_div):
         block = cuda.blockIdx.x
@@ -320,11 +351,11 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
             slots[i] = slot
         cuda.syncthreads()
 
-        acc = cuda.local.array((m_tiles, 8, 4), float32)
-        for mt in range(m_tiles):
-            for nt in range(8):
+        acc = cuda.local.array((acc_i, acc_j, 4), float32)
+        for i in range(acc_i):
+            for j in range(acc_j):
                 for c in range(4):
-                    acc[mt, nt, c] = float32(0.0)
+                    acc[i, j, c] = float32(0.0)
 
         start_slab = split * slabs_per_split
         end_slab = min(start_slab + slabs_per_split, total_slabs)
@@ -363,11 +394,12 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
             else:
                 raw_a = cuda.local.array((depth, raw_words), uint32)
                 raw_b = cuda.local.array((depth, raw_words), uint32)
-                rows = cuda.local.array((m_tiles, 2), int32)
+                rows = cuda.local.array((m_tiles, 2), int64)  # see a_word
                 for mt in range(m_tiles):
-                    for half_rows in range(2):
+                    for half_rows in range(row_halves):
                         slot = slots[first_row + 16 * mt + g + 8 * half_rows]
-                        rows[mt, half_rows] = slot // rows_div if slot < num_slots else (0 if flat_a else -1)
+                        row = slot // rows_div if slot < num_slots else (0 if flat_a else -1)
+                        rows[mt, half_rows] = int64(row) * pairs_per_row + t if flat_a else row
                 a_raw_a = cuda.local.array((depth, m_tiles, 4), uint32)
                 a_raw_b = cuda.local.array((depth, m_tiles, 4), uint32)
                 step = warps_k * depth
@@ -387,36 +419,35 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
             partial = cuda.shared.array((reduce_warps, teams, reduce_values), float32)
             team = warp // warps_k
             if wk > 0:
-                for mt in range(m_tiles):
-                    for nt in range(8):
+                for i in range(acc_i):
+                    for j in range(acc_j):
                         for c in range(4):
-                            partial[wk - 1, team, ((mt * 8 + nt) * 4 + c) * 32 + lane] = acc[mt, nt, c]
+                            partial[wk - 1, team, ((i * acc_j + j) * 4 + c) * 32 + lane] = acc[i, j, c]
             cuda.syncthreads()
             if wk == 0:
                 for other in range(warps_k - 1):
-                    for mt in range(m_tiles):
-                        for nt in range(8):
+                    for i in range(acc_i):
+                        for j in range(acc_j):
                             for c in range(4):
-                                acc[mt, nt, c] += partial[other, team, ((mt * 8 + nt) * 4 + c) * 32 + lane]
+                                acc[i, j, c] += partial[other, team, ((i * acc_j + j) * 4 + c) * 32 + lane]
 
         if wk == 0:
             multiplier = output_scale(weights, expert) if expert >= 0 else float32(0.0)
             for mt in range(m_tiles):
-                for half_rows in range(2):
-                    slot = slots[first_row + 16 * mt + g + 8 * half_rows]
+                for r in range(2):  # this lane's slots: rows g and g + 8 of the m tile, or slots 2t, 2t + 1 swapped
+                    slot = slots[2 * t + r] if swap_ab else slots[first_row + 16 * mt + g + 8 * r]
                     if slot < num_slots:
                         weight = multiplier
                         if mul_routed_weight:
                             weight *= topk_weights[slot]
-                        for nt in range(8):
-                            for c in range(2):
-                                col = chunk * CHUNK_N + 8 * nt + 2 * t + c
-                                if col < size_n:
-                                    value = acc[mt, nt, 2 * half_rows + c] * weight
-                                    if partial_output:
-                                        out[split, slot, col] = value
-                                    else:
-                                        out[slot, col] = int16(to_half(value))
+                        if swap_ab:
+                            for j in range(acc_i):
+                                for h in range(2):
+                                    store(out, split, slot, chunk * CHUNK_N + 16 * j + 8 * h + g, acc[j, 0, 2 * h + r] * weight)
+                        else:
+                            for nt in range(8):
+                                for c in range(2):
+                                    store(out, split, slot, chunk * CHUNK_N + 8 * nt + 2 * t + c, acc[mt, nt, 2 * r + c] * weight)
 
     return grouped_gemm
 

@@ -18,6 +18,7 @@ DECODE = GemmTile(block_m=16, warps_k=2, slabs_per_warp=2)
 PREFILL = GemmTile(block_m=32, warps_m=1, warps_n=2, warps_k=1, slabs_per_warp=2, a_in_shared=True)
 PREFILL_SPLIT_K = GemmTile(block_m=16, warps_k=2, slabs_per_warp=1, a_in_shared=True, split_k=2, stages=2)
 SPLIT = GemmTile(block_m=16, warps_k=1, slabs_per_warp=1, split_k=2)
+SWAP = GemmTile(block_m=8, warps_k=2, slabs_per_warp=2, swap_ab=True)
 
 
 def reference_alignment(topk_ids: np.ndarray, block_m: int, num_experts: int, expert_map=None):
@@ -88,7 +89,7 @@ def test_grouped_gemm_matches_reference_for_any_spec_and_tile(data):
         spec.check_shape((experts, n, k))
     except ValueError:
         return
-    tile = data.draw(st.sampled_from([DECODE, PREFILL, SPLIT, PREFILL_SPLIT_K]), label="tile")
+    tile = data.draw(st.sampled_from([DECODE, PREFILL, SPLIT, PREFILL_SPLIT_K, SWAP]), label="tile")
     top_k = data.draw(st.integers(1, experts), label="top_k")
     tokens = data.draw(st.integers(1, 3), label="tokens")
     half = data.draw(st.sampled_from([torch.bfloat16, torch.float16]), label="half")
@@ -158,6 +159,19 @@ def test_k_not_a_multiple_of_the_group_size():
 def test_n_not_a_multiple_of_the_tile_after_a_tensor_parallel_split():
     assert_close(*run_case(formats.native(4, 32), (2, 160, 64), tokens=2, top_k=1, tile=DECODE))
     assert_close(*run_case(formats.native(4, 32), (2, 160, 64), tokens=2, top_k=1, tile=PREFILL))
+
+
+@pytest.mark.parametrize("spec, tile, tokens, top_k", [
+    (formats.native(4, 32, zero_points=True), SWAP, 3, 2),
+    (formats.native(fp4=True), GemmTile(block_m=8, warps_k=1, slabs_per_warp=1, split_k=2, swap_ab=True), 2, 2),
+    (formats.native(4, 128, half="float16"), SWAP, 12, 1),  # 12 slots on 2 experts: several 8-slot blocks each
+    (formats.gptq(4, 32), SWAP, 2, 2),  # through the index maps
+])
+def test_swapped_operands_give_the_same_products(spec, tile, tokens, top_k):
+    """Weights as the A operand, slots as B (decode): every slot of an 8-slot block, N not
+    a multiple of 64, K split over warps and CTAs."""
+    half = torch.float16 if spec.scale_format.name == "float16" else torch.bfloat16
+    assert_close(*run_case(spec, (2, 80, 256), tokens=tokens, top_k=top_k, tile=tile, half=half))
 
 
 def test_int8_codes_in_bfloat16_take_the_float32_path():
@@ -243,6 +257,10 @@ def test_tile_parameters_are_validated():
         GemmTile(warps_m=4, warps_n=4, warps_k=4, block_m=64)
     with pytest.raises(ValueError, match="stages"):
         GemmTile(stages=1)
+    with pytest.raises(ValueError, match="swap_ab takes blocks of 8"):
+        GemmTile(block_m=16, swap_ab=True)
+    with pytest.raises(ValueError, match="swap_ab takes blocks of 8"):
+        GemmTile(block_m=8, a_in_shared=True, swap_ab=True)
 
 
 @pytest.mark.gpu
@@ -251,6 +269,7 @@ def test_tile_parameters_are_validated():
 ])
 @pytest.mark.parametrize("tile", [  # the oracle's decode and prefill tiles, and a K-split prefill
     GemmTile(block_m=16, warps_k=4, slabs_per_warp=2, split_k=2),
+    GemmTile(block_m=8, warps_k=4, slabs_per_warp=2, split_k=2, swap_ab=True),
     GemmTile(block_m=64, warps_m=1, warps_n=4, warps_k=1, slabs_per_warp=2, stages=4, a_in_shared=True),
     GemmTile(block_m=128, warps_m=2, warps_n=4, warps_k=1, slabs_per_warp=2, stages=3, a_in_shared=True),
     GemmTile(block_m=64, warps_m=2, warps_n=4, warps_k=1, slabs_per_warp=2, stages=3, split_k=2, a_in_shared=True)])
