@@ -13,9 +13,10 @@ back to a heuristic:
   at M = 1 to 16 on the three benchmark shapes (`benchmarks/sweep_tiles.py`), 2 slabs
   beat 4 and 8 (registers: more CTAs per multiprocessor hide more latency), and
   shared-memory pipelines of 16-slot blocks were 1.0x to 2x slower at M <= 16;
-* prefill: blocks of 64 slots, both operands staged in shared memory by a `cp.async`
-  pipeline, warps of 64 rows x 64 features (every decoded weight fragment feeds four
-  mma), four warps along N, no K split. Weights whose layout cannot be staged
+* prefill: blocks of 64 slots (32 up to 64 slots per expert), both operands staged in
+  shared memory by a `cp.async` pipeline, warps of 64 rows x 64 features (every decoded
+  weight fragment feeds four mma), four warps along N, a K split only where the grid
+  would not fill the card (`split_to_fill`). Weights whose layout cannot be staged
   (`gemm.prefill_supported`: act-order, scales not lane-contiguous) take decode tiles.
 
 The batched layout (tokens laid out expert by expert, as expert parallelism ships them;
@@ -109,13 +110,24 @@ def _decode_backend(config: MoEConfig, num_tokens: int) -> Backend:
                    split_to_fill(tile, config, num_tokens, h, i))
 
 
-def _prefill_tile() -> GemmTile:
-    """64-row blocks, one warp along the rows (four 16-row m tiles: every decoded weight
-    fragment feeds four mma), four 64-feature warps along N, 32 input features per stage,
-    4 stages: the best or within 5 % of the best in the tuning sweep on the H200 at
-    M = 1024 and 4096 (Mixtral, Qwen3, DeepSeek shapes, 2026-11-23); 128-row blocks and
-    32-row warps were 1.1 to 1.5x slower."""
-    return GemmTile(block_m=64, warps_m=1, warps_n=4, warps_k=1, slabs_per_warp=2, stages=4, a_in_shared=True)
+PREFILL_TILE = GemmTile(block_m=64, warps_m=1, warps_n=4, warps_k=1, slabs_per_warp=2, stages=4, a_in_shared=True)
+PREFILL_BLOCK_32_TOKENS_PER_EXPERT = 64
+
+
+def _prefill_backend(config: MoEConfig, num_tokens: int) -> Backend:
+    """Blocks of 64 slots, one warp along the rows (four 16-row m tiles: every decoded
+    weight fragment feeds four mma), four 64-feature warps along N, 32 input features per
+    stage, 4 stages; blocks of 32 slots up to 64 slots per expert (less padding where
+    experts get a block and a bit), and a K split where the grid would not fill the card.
+    Sweeps on the H200 (2026-11-23, `benchmarks/sweep_tiles.py`): 64-row blocks best or
+    within 2 % at Qwen3 M = 4096 and Mixtral M = 1024; at 64 slots per expert 32-row
+    blocks were 1.25x faster for Qwen3 (M = 1024) and 1.05x slower for Mixtral (M = 256);
+    128-row blocks and 512-feature CTAs 1.1 to 1.6x slower."""
+    per_expert = num_tokens * config.top_k / config.num_local_experts
+    tile = PREFILL_TILE if per_expert > PREFILL_BLOCK_32_TOKENS_PER_EXPERT else attrs.evolve(PREFILL_TILE, block_m=32)
+    h, i, n1 = config.hidden_size, config.intermediate_size, config.gate_up_size
+    return Backend(tile.block_m, split_to_fill(tile, config, num_tokens, n1, h),
+                   split_to_fill(tile, config, num_tokens, h, i))
 
 
 def heuristic_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec | None = None) -> Backend:
@@ -125,11 +137,11 @@ def heuristic_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec | None
     decode = _decode_backend(config, num_tokens)
     if per_expert <= DECODE_TOKENS_PER_EXPERT:
         return decode
-    tile1 = tile2 = _prefill_tile()
-    if spec is not None and not (prefill_supported(spec, n1, h, config.dtype, tile1)
-                                 and prefill_supported(spec, h, i, config.dtype, tile2)):
+    prefill = _prefill_backend(config, num_tokens)
+    if spec is not None and not (prefill_supported(spec, n1, h, config.dtype, prefill.gemm1)
+                                 and prefill_supported(spec, h, i, config.dtype, prefill.gemm2)):
         return decode
-    return Backend(64, tile1, tile2)
+    return prefill
 
 
 def fused_routing(config: MoEConfig, num_tokens: int) -> bool:
