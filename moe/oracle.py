@@ -9,10 +9,10 @@ back to a heuristic:
   K, 2 slabs per batch each (double buffered), and a K split across CTAs large enough
   that the grid fills every multiprocessor twice. Up to 4 slots per expert the operands
   are swapped (`GemmTile.swap_ab`: 16 weight rows x 8 slots per mma, blocks of 8 slots),
-  beyond that 16-slot blocks. On the H200 (2026-11-23) the swap was 1.0x to 1.27x faster
-  at M = 1 to 16 on the three benchmark shapes (`benchmarks/sweep_tiles.py`), 2 slabs
-  beat 4 and 8 (registers: more CTAs per multiprocessor hide more latency), and
-  shared-memory pipelines of 16-slot blocks were 1.0x to 2x slower at M <= 16;
+  beyond that 16-slot blocks. On the H200 (2026-11-23, `benchmarks/sweep_tiles.py`) the
+  swap was 0.98x to 1.24x the speed of 16-slot blocks at M = 1 to 16 on the three
+  benchmark shapes, 2 slabs beat 4 and 8 (registers: more CTAs per multiprocessor hide
+  more latency), and shared-memory pipelines of 16-slot blocks were up to 2.7x slower;
 * prefill: blocks of 64 slots (32 up to 64 slots per expert), both operands staged in
   shared memory by a `cp.async` pipeline, warps of 64 rows x 64 features (every decoded
   weight fragment feeds four mma), four warps along N, a K split only where the grid
@@ -122,7 +122,7 @@ def _prefill_backend(config: MoEConfig, num_tokens: int) -> Backend:
     Sweeps on the H200 (2026-11-23, `benchmarks/sweep_tiles.py`): 64-row blocks best or
     within 2 % at Qwen3 M = 4096 and Mixtral M = 1024; at 64 slots per expert 32-row
     blocks were 1.25x faster for Qwen3 (M = 1024) and 1.05x slower for Mixtral (M = 256);
-    128-row blocks and 512-feature CTAs 1.1 to 1.6x slower."""
+    128-row blocks and 512-feature CTAs 1.1 to 1.6x slower on all but one GEMM swept."""
     per_expert = num_tokens * config.top_k / config.num_local_experts
     tile = PREFILL_TILE if per_expert > PREFILL_BLOCK_32_TOKENS_PER_EXPERT else attrs.evolve(PREFILL_TILE, block_m=32)
     h, i, n1 = config.hidden_size, config.intermediate_size, config.gate_up_size

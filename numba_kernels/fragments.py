@@ -418,7 +418,8 @@ def _stream_copies(stream: CopyStream, threads: int, n_chunks: int, chunks: int)
             if unit < uint32(units):
                 element = first_chunk * per_chunk + per_unit * (unit % uint32(per_row))
                 if element < n_chunks * per_chunk:
-                    sources[first_copy + i] = int64(e * rows_per_expert + unit // uint32(per_row)) * row_length + element
+                    row = int64(e * rows_per_expert + unit // uint32(per_row))
+                    sources[first_copy + i] = row * row_length + element
 
     def make_copy(checked: bool):
         """Copies of a stage; `checked`: zero-fill rows at or past `remaining` slabs."""

@@ -17,6 +17,9 @@ in `split_k` parts). Each warp owns a 64-feature chunk and `block_m / warps_m` r
 fetches its lane's weight words (`fragments`), turns them into 8 B fragments and issues
 `(block_m / warps_m / 16) x 8` mma.m16n8k16 into float32 accumulators. Weight loads are
 double-buffered: `slabs_per_warp` slabs are in flight while the previous ones are used.
+With `swap_ab` (decode, blocks of 8 slots) the roles swap: each pair of n8 B fragments is
+exactly an A fragment of 16 features (registers reordered, no data moved), the block's
+8 slots are the B operand, and a slab costs 4 mma instead of 8.
 
 The operands come from one of two places, a tile option:
 
@@ -278,7 +281,8 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                     source = a_source[i] + stage * (SLAB_K // 2)
                     if checked:
                         present = a_slab[i] < remaining
-                        copy_async(a_tiles, base + a_target[i], act, source if present else int64(0), 16 if present else 0)
+                        copy_async(a_tiles, base + a_target[i], act, source if present else int64(0),
+                                   16 if present else 0)
                     else:
                         copy_async(a_tiles, base + a_target[i], act, source, 16)
 
@@ -443,11 +447,13 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                         if swap_ab:
                             for j in range(acc_i):
                                 for h in range(2):
-                                    store(out, split, slot, chunk * CHUNK_N + 16 * j + 8 * h + g, acc[j, 0, 2 * h + r] * weight)
+                                    col = chunk * CHUNK_N + 16 * j + 8 * h + g
+                                    store(out, split, slot, col, acc[j, 0, 2 * h + r] * weight)
                         else:
                             for nt in range(8):
                                 for c in range(2):
-                                    store(out, split, slot, chunk * CHUNK_N + 8 * nt + 2 * t + c, acc[mt, nt, 2 * r + c] * weight)
+                                    col = chunk * CHUNK_N + 8 * nt + 2 * t + c
+                                    store(out, split, slot, col, acc[mt, nt, 2 * r + c] * weight)
 
     return grouped_gemm
 

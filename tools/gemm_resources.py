@@ -21,10 +21,11 @@ from layouts.strategies import random_quantized  # noqa: E402
 from numba_kernels.gemm import GemmTile, make_grouped_gemm  # noqa: E402
 
 DECODE = GemmTile(block_m=16, warps_k=4, slabs_per_warp=2, split_k=2)
+SWAPPED = GemmTile(block_m=8, warps_k=4, slabs_per_warp=2, split_k=2, swap_ab=True)
 PREFILL_64 = GemmTile(block_m=64, warps_m=1, warps_n=4, warps_k=1, slabs_per_warp=2, stages=4, a_in_shared=True)
 PREFILL_128 = GemmTile(block_m=128, warps_m=2, warps_n=4, warps_k=1, slabs_per_warp=2, stages=3, a_in_shared=True)
-CASES = [(formats.native(4, 128), DECODE), (formats.native(4, 128), PREFILL_64), (formats.native(4, 128), PREFILL_128),
-         (formats.native(fp4=True), DECODE), (formats.native(fp4=True), PREFILL_64)]
+CASES = [(formats.native(4, 128), tile) for tile in (DECODE, SWAPPED, PREFILL_64, PREFILL_128)] + [
+    (formats.native(fp4=True), tile) for tile in (DECODE, SWAPPED, PREFILL_64)]
 
 
 def _kernel_arrays(spec: QuantSpec, shape: tuple[int, int, int]) -> tuple:
