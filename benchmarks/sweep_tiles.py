@@ -25,6 +25,9 @@ from bench_moe import FORMATS, SHAPES
 FAMILIES = {
     "decode-global": DECODE_TILE,
     "decode-swap": GemmTile(block_m=8, warps_k=4, slabs_per_warp=2, swap_ab=True),
+    "decode-swap-k2": GemmTile(block_m=8, warps_k=2, slabs_per_warp=2, swap_ab=True),
+    "decode-swap-d1": GemmTile(block_m=8, warps_k=4, slabs_per_warp=1, swap_ab=True),
+    "decode-swap-k8d1": GemmTile(block_m=8, warps_k=8, slabs_per_warp=1, swap_ab=True),
     "decode-staged-k4": GemmTile(block_m=16, warps_n=1, warps_k=4, slabs_per_warp=2, stages=4, a_in_shared=True),
     "decode-staged-n2k2": GemmTile(block_m=16, warps_n=2, warps_k=2, slabs_per_warp=2, stages=5, a_in_shared=True),
     "decode-staged-n4": GemmTile(block_m=16, warps_n=4, warps_k=1, slabs_per_warp=2, stages=6, a_in_shared=True),

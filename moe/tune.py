@@ -53,9 +53,11 @@ def candidate_tiles(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTile
                 if split_k == 1 or slabs // split_k >= warps_k * 2:
                     tiles.append(GemmTile(block_m=16, warps_k=warps_k, slabs_per_warp=2, split_k=split_k))
     if per_expert <= 8:
-        for split_k in (1, 2, 4, 8):
-            if split_k == 1 or slabs // split_k >= 8:
-                tiles.append(GemmTile(block_m=8, warps_k=4, slabs_per_warp=2, split_k=split_k, swap_ab=True))
+        for warps_k, depth in ((4, 2), (4, 1), (2, 2)):  # each won some GEMMs on the H200 (BENCHMARKS.md)
+            for split_k in (1, 2, 4, 8):
+                if split_k == 1 or slabs // split_k >= warps_k * depth:
+                    tiles.append(GemmTile(block_m=8, warps_k=warps_k, slabs_per_warp=depth, split_k=split_k,
+                                          swap_ab=True))
     if per_expert > 4:
         for block_m, warps_m, warps_n, depth, stages in PREFILL_SHAPES:
             tiles.append(GemmTile(block_m=block_m, warps_m=warps_m, warps_n=warps_n, warps_k=1, slabs_per_warp=depth,
