@@ -14,29 +14,29 @@ from __future__ import annotations
 import argparse
 import json
 
+import attrs
+
 import numba_kernels  # noqa: F401  (before numba: no simulator on a GPU machine)
 from moe import MoEConfig
-from moe.oracle import DECODE_TILE, heuristic_backend, split_to_fill
+from moe.oracle import DECODE_TILE, PREFILL_TILE, SWAPPED_DECODE_TILE, heuristic_backend, split_to_fill
 from moe.tune import tune
-from numba_kernels.gemm import GemmTile
 
 from bench_moe import FORMATS, SHAPES
 
-FAMILIES = {
+FAMILIES = {  # the oracle's tiles and the variants they were measured against
     "decode-global": DECODE_TILE,
-    "decode-swap": GemmTile(block_m=8, warps_k=4, slabs_per_warp=2, swap_ab=True),
-    "decode-swap-k2": GemmTile(block_m=8, warps_k=2, slabs_per_warp=2, swap_ab=True),
-    "decode-swap-d1": GemmTile(block_m=8, warps_k=4, slabs_per_warp=1, swap_ab=True),
-    "decode-swap-k8d1": GemmTile(block_m=8, warps_k=8, slabs_per_warp=1, swap_ab=True),
-    "decode-staged-k4": GemmTile(block_m=16, warps_n=1, warps_k=4, slabs_per_warp=2, stages=4, a_in_shared=True),
-    "decode-staged-n2k2": GemmTile(block_m=16, warps_n=2, warps_k=2, slabs_per_warp=2, stages=5, a_in_shared=True),
-    "decode-staged-n4": GemmTile(block_m=16, warps_n=4, warps_k=1, slabs_per_warp=2, stages=6, a_in_shared=True),
-    "prefill-32x256": GemmTile(block_m=32, warps_n=4, warps_k=1, slabs_per_warp=2, stages=4, a_in_shared=True),
-    "prefill-64x256": GemmTile(block_m=64, warps_n=4, warps_k=1, slabs_per_warp=2, stages=4, a_in_shared=True),
-    "prefill-64x512": GemmTile(block_m=64, warps_n=8, warps_k=1, slabs_per_warp=2, stages=3, a_in_shared=True),
-    "prefill-128x256": GemmTile(block_m=128, warps_m=2, warps_n=4, warps_k=1, slabs_per_warp=2, stages=3,
-                                a_in_shared=True),
-    "prefill-64x256-s3": GemmTile(block_m=64, warps_n=4, warps_k=1, slabs_per_warp=2, stages=3, a_in_shared=True),
+    "decode-swap": SWAPPED_DECODE_TILE,
+    "decode-swap-k2": attrs.evolve(SWAPPED_DECODE_TILE, warps_k=2),
+    "decode-swap-d1": attrs.evolve(SWAPPED_DECODE_TILE, slabs_per_warp=1),
+    "decode-swap-k8d1": attrs.evolve(SWAPPED_DECODE_TILE, warps_k=8, slabs_per_warp=1),
+    "decode-staged-k4": attrs.evolve(DECODE_TILE, stages=4, a_in_shared=True),
+    "decode-staged-n2k2": attrs.evolve(DECODE_TILE, warps_n=2, warps_k=2, stages=5, a_in_shared=True),
+    "decode-staged-n4": attrs.evolve(DECODE_TILE, warps_n=4, warps_k=1, stages=6, a_in_shared=True),
+    "prefill-32x256": attrs.evolve(PREFILL_TILE, block_m=32),
+    "prefill-64x256": PREFILL_TILE,
+    "prefill-64x512": attrs.evolve(PREFILL_TILE, warps_n=8, stages=3),
+    "prefill-128x256": attrs.evolve(PREFILL_TILE, block_m=128, warps_m=2, stages=3),
+    "prefill-64x256-s3": attrs.evolve(PREFILL_TILE, stages=3),
 }
 
 

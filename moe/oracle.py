@@ -102,12 +102,17 @@ def split_to_fill(tile: GemmTile, config: MoEConfig, num_tokens: int, n: int, k:
     return attrs.evolve(tile, split_k=split_k)
 
 
-def _decode_backend(config: MoEConfig, num_tokens: int) -> Backend:
-    per_expert = num_tokens * config.top_k / config.num_local_experts
-    tile = SWAPPED_DECODE_TILE if per_expert <= SWAP_TOKENS_PER_EXPERT else DECODE_TILE
+def _filled_backend(tile: GemmTile, config: MoEConfig, num_tokens: int) -> Backend:
+    """`tile` for both GEMMs, each with its own `split_to_fill`."""
     h, i, n1 = config.hidden_size, config.intermediate_size, config.gate_up_size
     return Backend(tile.block_m, split_to_fill(tile, config, num_tokens, n1, h),
                    split_to_fill(tile, config, num_tokens, h, i))
+
+
+def _decode_backend(config: MoEConfig, num_tokens: int) -> Backend:
+    per_expert = num_tokens * config.top_k / config.num_local_experts
+    tile = SWAPPED_DECODE_TILE if per_expert <= SWAP_TOKENS_PER_EXPERT else DECODE_TILE
+    return _filled_backend(tile, config, num_tokens)
 
 
 PREFILL_TILE = GemmTile(block_m=64, warps_m=1, warps_n=4, warps_k=1, slabs_per_warp=2, stages=4, a_in_shared=True)
@@ -125,9 +130,7 @@ def _prefill_backend(config: MoEConfig, num_tokens: int) -> Backend:
     128-row blocks and 512-feature CTAs 1.1 to 1.6x slower on all but one GEMM swept."""
     per_expert = num_tokens * config.top_k / config.num_local_experts
     tile = PREFILL_TILE if per_expert > PREFILL_BLOCK_32_TOKENS_PER_EXPERT else attrs.evolve(PREFILL_TILE, block_m=32)
-    h, i, n1 = config.hidden_size, config.intermediate_size, config.gate_up_size
-    return Backend(tile.block_m, split_to_fill(tile, config, num_tokens, n1, h),
-                   split_to_fill(tile, config, num_tokens, h, i))
+    return _filled_backend(tile, config, num_tokens)
 
 
 def heuristic_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec | None = None) -> Backend:

@@ -22,6 +22,7 @@ import statistics
 import sys
 from typing import Callable, Iterable
 
+import attrs
 import torch
 
 from numba_kernels import interop
@@ -30,7 +31,8 @@ from numba_kernels.fragments import SLAB_K
 from numba_kernels.gemm import GemmTile, grouped_gemm
 
 from .config import MoEConfig, QuantScheme
-from .oracle import TUNED_DIR, Backend, backend_to_dict, device_name, shape_key, tuned_table
+from .oracle import (DECODE_TILE, SWAPPED_DECODE_TILE, TUNED_DIR, Backend, backend_to_dict, device_name, shape_key,
+                     tuned_table)
 from .weights import ExpertWeights, kernel_spec
 from .workspace import gemm_out_elements, gemm_view
 
@@ -41,23 +43,22 @@ PREFILL_SHAPES = [  # (block_m, warps_m, warps_n, slabs_per_warp, stages): the b
     (32, 1, 4, 2, 4), (64, 1, 4, 2, 4), (64, 1, 8, 2, 3), (128, 2, 4, 2, 3)]
 
 
+DECODE_FAMILIES = [  # (up to this many slots per expert, tile): each won some GEMMs on the H200 (BENCHMARKS.md)
+    (64, attrs.evolve(DECODE_TILE, warps_k=2)), (64, DECODE_TILE), (8, SWAPPED_DECODE_TILE),
+    (8, attrs.evolve(SWAPPED_DECODE_TILE, slabs_per_warp=1)), (8, attrs.evolve(SWAPPED_DECODE_TILE, warps_k=2))]
+
+
 def candidate_tiles(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTile]:
     """Tiles worth timing for `num_tokens` tokens and reduction length `k` (some may not
     fit a layout or shared memory: `tune` skips those)."""
     per_expert = num_tokens * config.top_k / config.num_local_experts
     slabs = -(-k // SLAB_K)
     tiles = []
-    if per_expert <= 64:
-        for warps_k in (2, 4):
+    for up_to, decode in DECODE_FAMILIES:
+        if per_expert <= up_to:
             for split_k in (1, 2, 4, 8):
-                if split_k == 1 or slabs // split_k >= warps_k * 2:
-                    tiles.append(GemmTile(block_m=16, warps_k=warps_k, slabs_per_warp=2, split_k=split_k))
-    if per_expert <= 8:
-        for warps_k, depth in ((4, 2), (4, 1), (2, 2)):  # each won some GEMMs on the H200 (BENCHMARKS.md)
-            for split_k in (1, 2, 4, 8):
-                if split_k == 1 or slabs // split_k >= warps_k * depth:
-                    tiles.append(GemmTile(block_m=8, warps_k=warps_k, slabs_per_warp=depth, split_k=split_k,
-                                          swap_ab=True))
+                if split_k == 1 or slabs // split_k >= decode.stage_slabs:
+                    tiles.append(attrs.evolve(decode, split_k=split_k))
     if per_expert > 4:
         for block_m, warps_m, warps_n, depth, stages in PREFILL_SHAPES:
             tiles.append(GemmTile(block_m=block_m, warps_m=warps_m, warps_n=warps_n, warps_k=1, slabs_per_warp=depth,

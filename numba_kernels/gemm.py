@@ -234,15 +234,10 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
             slab = first_slab + d * warps_k
             if slab < end_slab:
                 fetch(weights, expert, slab, chunk, lane, raw[d])
-                for mt in range(m_tiles):
-                    if swap_ab:  # B fragment: slot g's pairs at k = 2t and 2t + 8
-                        a_raw[d, mt, 0] = a_word(act, weights, expert, rows[mt, 0], slab, t, 0)
-                        a_raw[d, mt, 1] = a_word(act, weights, expert, rows[mt, 0], slab, t, 1)
-                    else:
-                        a_raw[d, mt, 0] = a_word(act, weights, expert, rows[mt, 0], slab, t, 0)
-                        a_raw[d, mt, 1] = a_word(act, weights, expert, rows[mt, 1], slab, t, 0)
-                        a_raw[d, mt, 2] = a_word(act, weights, expert, rows[mt, 0], slab, t, 1)
-                        a_raw[d, mt, 3] = a_word(act, weights, expert, rows[mt, 1], slab, t, 1)
+                for mt in range(m_tiles):  # word w: row w % row_halves at k + 8 (w // row_halves)
+                    for w in range(2 * row_halves):  # A: a0..a3; swapped B: b0, b1 of slot g
+                        a_raw[d, mt, w] = a_word(act, weights, expert, rows[mt, w % row_halves], slab, t,
+                                                 w // row_halves)
 
     @ptx.device
     def multiply_batch(weights, expert, first_slab, end_slab, chunk, lane, raw, a_raw, params, frags, group, acc):
