@@ -172,13 +172,20 @@ def backend_to_dict(backend: Backend) -> dict:
     return attrs.asdict(backend)
 
 
+TUNED_REACH = 4
+"""A tuned entry measured at m tokens serves calls of m to TUNED_REACH * m - 1 tokens (the
+tuner's default counts are powers of 4); beyond, the heuristic, whose decode or prefill
+regime follows the token count, rather than a table entry from another regime."""
+
+
 def select_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec) -> Backend:
     """The backend for `num_tokens` tokens through weights stored as `spec`: the tuned
-    entry for the largest measured token count not above `num_tokens`, else the heuristic."""
+    entry for the largest measured token count m <= num_tokens < TUNED_REACH * m, else
+    the heuristic."""
     if num_tokens < 1:
         raise ValueError(f"num_tokens must be positive, got {num_tokens}")
     entries = tuned_table(device_name()).get(shape_key(config, spec), {})
-    measured = [int(m) for m in entries if int(m) <= num_tokens]
+    measured = [int(m) for m in entries if int(m) <= num_tokens < TUNED_REACH * int(m)]
     if measured:
         return backend_from_dict(entries[str(max(measured))])
     return heuristic_backend(config, num_tokens, spec)

@@ -37,7 +37,8 @@ def test_tuner_keeps_the_fastest_tiles_and_the_oracle_reads_them(tmp_path, monke
         path = save(CONFIG, best, device=moe.oracle.device_name())
         assert path.endswith(f"{moe.oracle.device_name()}.json")
         assert select_backend(CONFIG, 2, kernel_spec(CONFIG)) == best[2]
-        assert select_backend(CONFIG, 5, kernel_spec(CONFIG)) == best[2]  # largest measured M not above
+        assert select_backend(CONFIG, 7, kernel_spec(CONFIG)) == best[2]  # largest measured M not above...
+        assert select_backend(CONFIG, 8, kernel_spec(CONFIG)) != best[2]  # ...within TUNED_REACH = 4 times it
         assert select_backend(CONFIG, 1, kernel_spec(CONFIG)) != best[2]  # below every entry: the heuristic
     finally:
         moe.oracle.tuned_table.cache_clear()
