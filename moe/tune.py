@@ -3,7 +3,10 @@ token count to `moe/tuned/<device>.json`, which the oracle (`select_backend`) re
 
 For each token count M it routes M random tokens, and for each alignment block size
 times every candidate tile of gemm1 and of gemm2 on that alignment (CUDA-graph replays,
-L2 flushed), keeping the fastest pair; the block size with the smallest sum wins. The
+L2 flushed), each together with the kernel that reads its output as the layer runs it
+(gemm1 -> activation, gemm2 -> combine: a K split in S parts makes that kernel sum S
+partials, which the GEMM alone does not show), keeping the fastest pair; the block size
+with the smallest sum wins. The
 candidates are the oracle's own families (`candidate_tiles`): decode tiles (16-slot
 blocks, or 8-slot blocks with swapped operands; operands straight from global memory, K
 split over warps and CTAs) and prefill tiles
@@ -26,7 +29,9 @@ import attrs
 import torch
 
 from numba_kernels import interop
+from numba_kernels.activation import activate
 from numba_kernels.align import moe_align_block_size
+from numba_kernels.combine import combine
 from numba_kernels.fragments import SLAB_K
 from numba_kernels.gemm import GemmTile, grouped_gemm
 
@@ -83,8 +88,10 @@ class ProgressBar:
 
 
 def cuda_graph_measure(repeats: int = 20) -> Measure:
-    """Median CUDA-event time (ms) of `fn` replayed from a CUDA graph, L2 flushed each time."""
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    """Median CUDA-event time (ms) of `fn` replayed from a CUDA graph, the L2 flushed each
+    time by reading a buffer far larger than it (zeroing one would leave dirty lines that
+    the timed kernels write back: `benchmarks/bench_moe.py --flush`)."""
+    flush = torch.zeros(256 << 17, dtype=torch.int64, device="cuda")
 
     def measure(fn, tile):
         fn()
@@ -94,7 +101,7 @@ def cuda_graph_measure(repeats: int = 20) -> Measure:
             fn()
         times = []
         for _ in range(repeats):
-            flush.zero_()
+            flush.sum()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             graph.replay()
@@ -128,6 +135,9 @@ def tune(config: MoEConfig, token_counts: Iterable[int], *, measure: Measure | N
         topk_ids = torch.stack([torch.randperm(config.num_local_experts, generator=generator, device=device)[:config.top_k]
                                 for _ in range(tokens)]).to(torch.int32)
         intermediate = torch.randn(slots, i, generator=generator, device=device).to(half)
+        topk_weights = torch.rand(tokens, config.top_k, generator=generator, device=device)
+        reduced = {"gemm1": torch.empty(slots, i, dtype=half, device=device),
+                   "gemm2": torch.empty(tokens, h, dtype=half, device=device)}
         timings: dict[int, dict[str, tuple[float, GemmTile]]] = {}
         for stage, tiles, act, n, k in (("gemm1", tiles1, hidden, n1, h), ("gemm2", tiles2, intermediate, h, i)):
             for tile in tiles:
@@ -136,8 +146,12 @@ def tune(config: MoEConfig, token_counts: Iterable[int], *, measure: Measure | N
                                             device=device), tile.split_k, slots, n, half)
                 stored = weights.w13 if stage == "gemm1" else weights.w2
 
-                def run(tile=tile, act=act, stored=stored, alignment=alignment, out=out):
+                def run(tile=tile, act=act, stored=stored, alignment=alignment, out=out, stage=stage):
                     grouped_gemm(act, stored, *alignment, num_slots=slots, tile=tile, out=out)
+                    if stage == "gemm1":
+                        activate(out, config.activation, out=reduced[stage])
+                    else:
+                        combine(out, topk_weights, out=reduced[stage])
 
                 try:
                     ms = measure(run, tile)

@@ -11,6 +11,7 @@ from moe import MoEConfig, QuantScheme, select_backend
 from moe.tune import ProgressBar, candidate_tiles, save, tune
 from moe.weights import kernel_spec
 from numba_kernels.gemm import GemmTile
+from numba_kernels.launch import recording
 
 CONFIG = MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=64,
                    quant=QuantScheme("native", bits=4, group_size=32))
@@ -21,13 +22,14 @@ FAST = GemmTile(block_m=16, warps_k=2, slabs_per_warp=1)
 def test_tuner_keeps_the_fastest_tiles_and_the_oracle_reads_them(tmp_path, monkeypatch):
     launched = []
 
-    def measure(fn, tile):  # runs each candidate once (a real launch), then a scripted time
-        fn()
-        launched.append(tile)
+    def measure(fn, tile):  # runs each candidate once (real launches), then a scripted time
+        with recording() as calls:
+            fn()
+        launched.append((tile, len(calls)))
         return 1.0 if tile == FAST else 2.0
 
     best = tune(CONFIG, [2], measure=measure, candidates=lambda tokens, config, k: [SLOW, FAST], progress=False)
-    assert launched == [SLOW, FAST, SLOW, FAST]
+    assert launched == [(SLOW, 2), (FAST, 2)] * 2  # each GEMM timed with the kernel reading its output
     assert best[2].gemm1 == FAST and best[2].gemm2 == FAST and best[2].block_m == 16
 
     monkeypatch.setattr(moe.oracle, "TUNED_DIR", tmp_path)
