@@ -1,17 +1,22 @@
 """The runner on the real GPU: eager replays with new inputs, no allocation per forward
 after warm-up, CUDA-graph capture and replay with new inputs, bounded memory while
 converting checkpoints, correct results on two streams at once, DLPack inputs from CuPy
-and JAX, prefill tiles, the batched layout and the tuner's timing."""
+and JAX, prefill tiles, the batched layout, the tuner's timing, and every tuned entry of
+this device's table on its own shape."""
 
 import numpy as np
 import pytest
 import torch
 
+import moe.oracle
 from moe import MoEConfig, MoELayer, QuantScheme, batched_moe, select_backend
+from moe.oracle import device_name, shape_key, tuned_table
 from moe.reference import random_checkpoint, reference_moe
 from moe.tune import tune
+from moe.weights import kernel_spec
 from numba_kernels.activation import reference_activate
 from numba_kernels.gemm import GemmTile
+from numba_kernels.ptx import SIMULATED
 
 pytestmark = pytest.mark.gpu
 
@@ -156,3 +161,39 @@ def test_tuner_times_candidates_with_cuda_graphs():
     tiles = [GemmTile(block_m=16, warps_k=4, slabs_per_warp=2), GemmTile(block_m=16, warps_k=2, slabs_per_warp=4)]
     best = tune(config, [4], candidates=lambda tokens, config, k: tiles, progress=False)
     assert best[4].gemm1 in tiles and best[4].gemm2 in tiles
+
+
+def _tuned_entries() -> list:
+    """(shape key, token count) of every entry of this device's tuned table."""
+    table = {} if SIMULATED else tuned_table(device_name())
+    return [(key, int(m)) for key, entries in sorted(table.items()) for m in sorted(entries, key=int)]
+
+
+def _config_of(key: str) -> MoEConfig:
+    fields = dict(part.split("=") for part in key.split(","))
+    quant = (QuantScheme("nvfp4") if fields["spec"] == "native_nvfp4"
+             else QuantScheme("native", bits=4, group_size=int(fields["group"])))
+    config = MoEConfig(num_experts=int(fields["E"]), top_k=int(fields["top_k"]), hidden_size=int(fields["H"]),
+                       intermediate_size=int(fields["I"]), quant=quant)
+    assert shape_key(config, kernel_spec(config)) == key
+    return config
+
+
+@pytest.mark.parametrize("key,tokens", _tuned_entries())
+def test_tuned_entries_compute_what_the_heuristic_computes(key, tokens, monkeypatch):
+    """A tuned entry picks tiles that the shape-generic tests may not have drawn (a K split,
+    a warp count) on the real shape: its layer must agree with the heuristic's."""
+    config = _config_of(key)
+    tuned = MoELayer(config, max_tokens=tokens)
+    tuned.weights.fill_random(seed=3)
+    hidden, logits = _inputs(config, tokens, 5)
+    chosen = select_backend(config, tokens, tuned.weights.spec)
+    got = tuned(hidden, logits).float()
+    monkeypatch.setattr(moe.oracle, "tuned_table", lambda device: {})
+    heuristic = MoELayer(config, max_tokens=tokens)
+    heuristic.weights = tuned.weights
+    if select_backend(config, tokens, tuned.weights.spec) == chosen:
+        pytest.skip("the tuned entry is the heuristic's choice")
+    expected = heuristic(hidden, logits).float()
+    assert torch.isfinite(expected).all()
+    assert (torch.linalg.norm(got - expected) / torch.linalg.norm(expected)).item() < 1e-2
