@@ -28,8 +28,10 @@ def test_tuner_keeps_the_fastest_tiles_and_the_oracle_reads_them(tmp_path, monke
         launched.append((tile, len(calls)))
         return 1.0 if tile == FAST else 2.0
 
-    best = tune(CONFIG, [2], measure=measure, candidates=lambda tokens, config, k: [SLOW, FAST], progress=False)
-    assert launched == [(SLOW, 2), (FAST, 2)] * 2  # each GEMM timed with the kernel reading its output
+    best = tune(CONFIG, [2], measure=measure, candidates=lambda tokens, config, k: [SLOW, FAST], progress=False,
+                routings=2)
+    # each tile timed on both routings, each GEMM with the kernel that reads its output
+    assert launched == [(SLOW, 2), (SLOW, 2), (FAST, 2), (FAST, 2)] * 2
     assert best[2].gemm1 == FAST and best[2].gemm2 == FAST and best[2].block_m == 16
 
     monkeypatch.setattr(moe.oracle, "TUNED_DIR", tmp_path)
