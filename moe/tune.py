@@ -9,12 +9,11 @@ partials, which the GEMM alone does not show), keeping the fastest pair; the blo
 with the smallest sum wins. A candidate's time is the mean over `routings` random
 routings (3 by default): with a few slots per expert one draw can rank two tiles the
 other way round from the next (on the H200 one draw picked a Mixtral M = 16 gemm2 tile
-that the benchmark's own draw timed 1.36x slower). The
-candidates are the oracle's own families (`candidate_tiles`): decode tiles (16-slot
-blocks, or 8-slot blocks with swapped operands; operands straight from global memory, K
-split over warps and CTAs) and prefill tiles
-(32 to 128-row blocks staged in shared memory); a tile that the layout or the shared
-memory cannot take is skipped. Weights are random bits in the kernel
+that the benchmark's own draw timed 1.36x slower). The candidates are the oracle's own
+families (`candidate_tiles`): decode tiles (16-slot blocks, or 8-slot blocks with
+swapped operands; operands straight from global memory, K split over warps and CTAs)
+and prefill tiles (32 to 128-row blocks staged in shared memory); a tile that the layout
+or the shared memory cannot take is skipped. Weights are random bits in the kernel
 layout: timing does not depend on their values.
 
     python -m moe.tune --experts 128 --top-k 8 --hidden 2048 --intermediate 768 --tokens 1 16 256 4096
@@ -144,6 +143,11 @@ def tune(config: MoEConfig, token_counts: Iterable[int], *, measure: Measure | N
         topk_weights = torch.rand(tokens, config.top_k, generator=generator, device=device)
         reduced = {"gemm1": torch.empty(slots, i, dtype=half, device=device),
                    "gemm2": torch.empty(tokens, h, dtype=half, device=device)}
+
+        @functools.cache
+        def alignments(block_m: int) -> list:  # each draw aligned once per block size
+            return [moe_align_block_size(ids, block_m, config.num_experts, check_ids=False) for ids in draws]
+
         timings: dict[int, dict[str, tuple[float, GemmTile]]] = {}
         for stage, tiles, act, n, k in (("gemm1", tiles1, hidden, n1, h), ("gemm2", tiles2, intermediate, h, i)):
             for tile in tiles:
@@ -159,10 +163,8 @@ def tune(config: MoEConfig, token_counts: Iterable[int], *, measure: Measure | N
                         combine(out, topk_weights, out=reduced[stage])
 
                 try:
-                    ms = statistics.fmean(
-                        measure(functools.partial(run, moe_align_block_size(ids, tile.block_m, config.num_experts,
-                                                                            check_ids=False)), tile)
-                        for ids in draws)
+                    ms = statistics.fmean(measure(functools.partial(run, alignment), tile)
+                                          for alignment in alignments(tile.block_m))
                 except ValueError as error:  # a tile this layout or shared memory cannot take
                     if report:
                         report(tokens, stage, tile, None)

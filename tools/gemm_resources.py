@@ -12,18 +12,20 @@ from __future__ import annotations
 
 import re
 
+import attrs
 import numpy as np
 
 from .ptx_check import compile_kernel  # first: numba_kernels would pick the simulator without a GPU
 
 from layouts import QuantSpec, formats  # noqa: E402
 from layouts.strategies import random_quantized  # noqa: E402
+from moe.oracle import DECODE_TILE, PREFILL_TILE, SWAPPED_DECODE_TILE  # noqa: E402
 from numba_kernels.gemm import GemmTile, make_grouped_gemm  # noqa: E402
 
-DECODE = GemmTile(block_m=16, warps_k=4, slabs_per_warp=2, split_k=2)
-SWAPPED = GemmTile(block_m=8, warps_k=4, slabs_per_warp=2, split_k=2, swap_ab=True)
-PREFILL_64 = GemmTile(block_m=64, warps_m=1, warps_n=4, warps_k=1, slabs_per_warp=2, stages=4, a_in_shared=True)
-PREFILL_128 = GemmTile(block_m=128, warps_m=2, warps_n=4, warps_k=1, slabs_per_warp=2, stages=3, a_in_shared=True)
+DECODE = attrs.evolve(DECODE_TILE, split_k=2)
+SWAPPED = attrs.evolve(SWAPPED_DECODE_TILE, split_k=2)
+PREFILL_64 = PREFILL_TILE
+PREFILL_128 = attrs.evolve(PREFILL_TILE, block_m=128, warps_m=2, stages=3)
 CASES = [(formats.native(4, 128), tile) for tile in (DECODE, SWAPPED, PREFILL_64, PREFILL_128)] + [
     (formats.native(fp4=True), tile) for tile in (DECODE, SWAPPED, PREFILL_64)]
 
