@@ -4,8 +4,10 @@ For each shape (Qwen3-30B-A3B, Mixtral-8x7B, a DeepSeek-V3 layer), format (int4 
 in the kernel layout, NVFP4) and token count M, it times with CUDA events, after warm-up,
 with the L2 cache flushed before every run, the median of many runs of:
 
-* gemm_ms:  the two grouped GEMMs (routing and alignment done beforehand), replayed from
-            a CUDA graph;
+* gemm_ms:  the two grouped GEMMs as the layer runs them (routing and alignment done
+            beforehand), replayed from a CUDA graph: with decode tiles each finishes the
+            reduction after it (activation, combine) in its last CTAs; at M <= 16 also
+            gemm_plain_ms, the two GEMMs writing partials only (the earlier runs' gemm_ms);
 * layer_ms: the whole layer (routing to combine), replayed from a CUDA graph;
 * torch_ms: the torch reference, dequantised bf16 experts multiplied in a loop over experts;
 * grouped_mm_ms: torch._grouped_mm on bf16 experts (CUTLASS tensor cores), for comparison;
@@ -34,6 +36,7 @@ import torch
 
 import numba_kernels  # noqa: F401  (before numba: no simulator on a GPU machine)
 from moe import MoEConfig, MoEHooks, MoELayer, QuantScheme, check_inputs, prepare
+from moe.runner import fused_activation, fused_combine
 from numba_kernels import interop
 from numba_kernels.gemm import grouped_gemm
 from numba_kernels.launch import Launcher, recording
@@ -168,10 +171,14 @@ def bench_row(timer, layer, reference, tokens, generator, bandwidth, rate) -> di
     buffers, backend, slots = prepared.buffers, prepared.backend, topk_ids.numel()
     alignment = (buffers.sorted_token_ids, buffers.expert_ids, buffers.num_tokens_post_padded)
 
-    def gemms():
-        grouped_gemm(hidden, layer.weights.w13, *alignment, num_slots=slots, tile=backend.gemm1, out=buffers.gemm1_out)
+    then1 = fused_activation(config, backend.gemm1, buffers.intermediate, buffers.arrivals)
+    then2 = fused_combine(config, backend.gemm2, prepared.topk_weights, buffers.output, buffers.arrivals)
+
+    def gemms(fused=True):
+        grouped_gemm(hidden, layer.weights.w13, *alignment, num_slots=slots, tile=backend.gemm1, out=buffers.gemm1_out,
+                     then=then1 if fused else None)
         grouped_gemm(buffers.intermediate, layer.weights.w2, *alignment, num_slots=slots, tile=backend.gemm2,
-                     out=buffers.gemm2_out)
+                     out=buffers.gemm2_out, then=then2 if fused else None)
 
     gemm_ms = timer(captured(gemms))
     layer_ms = timer(captured(lambda: layer(hidden, logits)))
@@ -190,6 +197,7 @@ def bench_row(timer, layer, reference, tokens, generator, bandwidth, rate) -> di
                fraction_of_floor=floor_ms / gemm_ms, layer_over_gemm=layer_ms / gemm_ms, torch_ms=torch_ms,
                grouped_mm_ms=grouped_mm_ms, backend=repr(backend))
     if tokens <= 16:
+        row["gemm_plain_ms"] = timer(captured(lambda: gemms(fused=False)))
         row["kernel_us"] = kernel_times(layer, hidden, logits, timer)
     if tokens == 1:
         row.update(eager_host(layer, hidden, logits))
@@ -272,7 +280,8 @@ def main(argv=None) -> None:
                       + (f"  eager {row['eager_layer_ms']:.3f} ms ({row['host_us_per_launch']:.0f} us/launch, "
                          f"{row['eager_over_layer']:.2f}x the graph; ordinary launches {row['eager_ordinary_ms']:.3f} ms)"
                          if tokens == 1 else "")
-                      + (f"\n    per kernel (us): {row['kernel_us']}" if "kernel_us" in row else ""), flush=True)
+                      + (f"\n    GEMMs writing partials only {row['gemm_plain_ms']:.4f} ms; per kernel (us): "
+                         f"{row['kernel_us']}" if "kernel_us" in row else ""), flush=True)
                 with open(args.json, "w") as f:  # after every row: a timed-out run keeps its rows
                     json.dump(dict(header, rows=rows), f, indent=1)
             del layer

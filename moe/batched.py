@@ -25,7 +25,7 @@ from .oracle import select_batched_backend
 from .replay import ProgramCache
 from .runner import Prepared, check_weights, run
 from .weights import ExpertWeights
-from .workspace import CallBuffers, gemm_out_elements, gemm_view, starts_within
+from .workspace import CallBuffers, arrivals_elements, gemm_out_elements, gemm_view, starts_within
 
 
 class BatchedWorkspace:
@@ -46,17 +46,18 @@ class BatchedWorkspace:
         def empty(shape, dtype):  # zeros: padding rows are never written, and stay finite
             return torch.zeros(shape, dtype=dtype, device=device)
 
-        gemm1 = empty(gemm_out_elements(self.backend.gemm1.split_k, slots, config.gate_up_size), torch.float32)
-        gemm2 = empty(gemm_out_elements(self.backend.gemm2.split_k, slots, config.hidden_size), torch.float32)
+        gemm1 = empty(gemm_out_elements(self.backend.gemm1, slots, config.gate_up_size), torch.float32)
+        gemm2 = empty(gemm_out_elements(self.backend.gemm2, slots, config.hidden_size), torch.float32)
         self.buffers = CallBuffers(
             topk_weights=torch.ones((slots, 1), dtype=torch.float32, device=device),
             topk_ids=torch.arange(experts, dtype=torch.int32, device=device).repeat_interleave(tokens_per_expert)[:, None],
             sorted_token_ids=empty(length, torch.int32), expert_ids=empty(blocks, torch.int32),
             num_tokens_post_padded=empty(1, torch.int32),
-            gemm1_out=gemm_view(gemm1, self.backend.gemm1.split_k, slots, config.gate_up_size, half),
+            gemm1_out=gemm_view(gemm1, self.backend.gemm1, slots, config.gate_up_size, half),
             intermediate=empty((slots, config.intermediate_size), half),
-            gemm2_out=gemm_view(gemm2, self.backend.gemm2.split_k, slots, config.hidden_size, half),
+            gemm2_out=gemm_view(gemm2, self.backend.gemm2, slots, config.hidden_size, half),
             output=empty((slots, config.hidden_size), half),
+            arrivals=empty(arrivals_elements(config, self.backend, blocks, slots), torch.int32),
         )
         self.programs = ProgramCache()  # recorded calls (see replay), one per weights and input alignment
 

@@ -35,6 +35,7 @@ import torch
 from layouts import QuantSpec
 from numba_kernels import interop
 from numba_kernels.fragments import SLAB_K, fast_path_supported
+from numba_kernels.epilogue import activation_fusable
 from numba_kernels.gemm import GemmTile, make_grouped_gemm, pair_loads, prefill_supported
 from numba_kernels.route_align import fusable
 
@@ -147,6 +148,35 @@ def heuristic_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec | None
     return prefill
 
 
+def fuses_reduction(tile: GemmTile) -> bool:
+    """Whether a GEMM run with `tile` finishes the reduction that reads its output (gemm1:
+    the activation, gemm2: the combine) in its own last CTAs (`numba_kernels.epilogue`)
+    instead of leaving it to a kernel of its own: the tile's `fused_reduction`, which
+    only the tuner sets. Measured on the H200 (2026-11-23, fused on every decode tile):
+    the layer 0.9 to 3 us faster at M = 1 on Qwen3 and Mixtral, but 3 to 85 us slower at
+    M = 4 to 16 and on DeepSeek, where grids of several waves pay each CTA's longer tail
+    (fence, counter, reduction) once per wave; so the heuristic never fuses."""
+    return tile.fused_reduction
+
+
+def writes_partials(tile: GemmTile) -> bool:
+    """Whether the GEMM writes float32 partials (split_k, slots, N) rather than halves:
+    a K split, or a tile that may finish the reduction itself (`fuses_reduction`)."""
+    return tile.split_k > 1 or fuses_reduction(tile)
+
+
+def fused_activation_kind(config: MoEConfig, tile: GemmTile) -> tuple | None:
+    """The `FusedActivation.kind` gemm1 finishes with `tile`, or None (a separate kernel)."""
+    if fuses_reduction(tile) and activation_fusable(config.activation, config.gate_up_size, tile.block_n):
+        return ("activation", config.activation)
+    return None
+
+
+def fused_combine_kind(config: MoEConfig, tile: GemmTile) -> tuple | None:
+    """The `FusedCombine.kind` gemm2 finishes with `tile`, or None (a separate kernel)."""
+    return ("combine", config.top_k) if fuses_reduction(tile) else None
+
+
 def fused_routing(config: MoEConfig, num_tokens: int) -> bool:
     """Whether routing and alignment of `num_tokens` tokens run as one launch."""
     return num_tokens <= FUSED_ROUTING_TOKENS and fusable(config.num_experts)
@@ -226,8 +256,9 @@ def build_backend(config: MoEConfig, backend: Backend, spec1: QuantSpec, spec2: 
     h, i, n1 = config.hidden_size, config.intermediate_size, config.gate_up_size
     half = config.dtype
 
-    def build(spec, n, k, tile):
-        return make_grouped_gemm(spec, n, k, tile, half, tile.split_k > 1, False, pair_loads(k, spec))
+    def build(spec, n, k, tile, fused):
+        return make_grouped_gemm(spec, n, k, tile, half, writes_partials(tile), False, pair_loads(k, spec), fused)
 
-    gemm1, gemm2 = build(spec1, n1, h, backend.gemm1), build(spec2, h, i, backend.gemm2)
+    gemm1 = build(spec1, n1, h, backend.gemm1, fused_activation_kind(config, backend.gemm1))
+    gemm2 = build(spec2, h, i, backend.gemm2, fused_combine_kind(config, backend.gemm2))
     return BuiltBackend(backend, gemm1, gemm2, fast_path_supported(spec1, half) and fast_path_supported(spec2, half))

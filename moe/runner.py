@@ -5,7 +5,9 @@
                   count, route (top-k of the router logits, unless given) and align the
                   token slots to expert blocks (one launch for a few tokens);
     run:          gemm1 -> hooks -> activation -> gemm2 -> hooks -> combine (weighted
-                  sum over each token's experts).
+                  sum over each token's experts); with decode tiles each GEMM finishes
+                  the reduction after it in its last CTAs (`numba_kernels.epilogue`),
+                  one kernel fewer each, unless a post_gemm hook must see the partials.
 
 `forward` is what both entry points call: it checks the inputs, then either replays the
 launches recorded by an earlier call of the same kind (`replay`: the eager fast path) or
@@ -25,13 +27,14 @@ from numba_kernels import interop
 from numba_kernels.activation import activate
 from numba_kernels.align import moe_align_block_size
 from numba_kernels.combine import combine
+from numba_kernels.epilogue import FusedActivation, FusedCombine
 from numba_kernels.gemm import grouped_gemm
 from numba_kernels.route_align import route_and_align
 from numba_kernels.routing import LOGIT_DTYPES, route
 
 from .config import MoEConfig
 from .hooks import GemmStep, MoEHooks
-from .oracle import Backend, fused_routing, select_backend
+from .oracle import Backend, fused_activation_kind, fused_combine_kind, fused_routing, select_backend
 from .weights import ExpertWeights
 from .workspace import CallBuffers, Workspace
 
@@ -142,6 +145,17 @@ def prepare(config: MoEConfig, weights: ExpertWeights, workspace: Workspace, inp
     return Prepared(config, backend, buffers, inputs.hidden_states, *topk)
 
 
+def fused_activation(config: MoEConfig, tile, out: torch.Tensor, arrivals: torch.Tensor) -> FusedActivation | None:
+    """gemm1's `then=` with `tile`: the activation into `out` where the oracle fuses it."""
+    return FusedActivation(config.activation, out, arrivals) if fused_activation_kind(config, tile) else None
+
+
+def fused_combine(config: MoEConfig, tile, topk_weights: torch.Tensor, out: torch.Tensor,
+                  arrivals: torch.Tensor) -> FusedCombine | None:
+    """gemm2's `then=` with `tile`: the combine into `out` where the oracle fuses it."""
+    return FusedCombine(topk_weights, out, arrivals) if fused_combine_kind(config, tile) else None
+
+
 def run(prepared: Prepared, weights: ExpertWeights, hooks: MoEHooks | None = None) -> torch.Tensor:
     """gemm1 -> activation -> gemm2 -> combine into the workspace's output (M, H)."""
     hooks = _NO_HOOKS if hooks is None else hooks
@@ -149,19 +163,26 @@ def run(prepared: Prepared, weights: ExpertWeights, hooks: MoEHooks | None = Non
     slots = prepared.topk_ids.numel()
     alignment = (buffers.sorted_token_ids, buffers.expert_ids, buffers.num_tokens_post_padded)
 
+    then1 = then2 = None
+    if type(hooks).post_gemm is MoEHooks.post_gemm:  # a post_gemm hook changes outputs before their reduction
+        then1 = fused_activation(config, backend.gemm1, buffers.intermediate, buffers.arrivals)
+        then2 = fused_combine(config, backend.gemm2, prepared.topk_weights, buffers.output, buffers.arrivals)
+
     step = GemmStep("gemm1", prepared.hidden_states, buffers.gemm1_out, prepared.topk_ids, config.top_k)
     hooks.pre_gemm(step)
     grouped_gemm(prepared.hidden_states, weights.w13, *alignment, num_slots=slots, tile=backend.gemm1,
-                 out=buffers.gemm1_out)
+                 out=buffers.gemm1_out, then=then1)
     hooks.post_gemm(step)
-    activate(buffers.gemm1_out, config.activation, out=buffers.intermediate)
+    if then1 is None:
+        activate(buffers.gemm1_out, config.activation, out=buffers.intermediate)
 
     step = GemmStep("gemm2", buffers.intermediate, buffers.gemm2_out, prepared.topk_ids, 1)
     hooks.pre_gemm(step)
     grouped_gemm(buffers.intermediate, weights.w2, *alignment, num_slots=slots, tile=backend.gemm2,
-                 out=buffers.gemm2_out)
+                 out=buffers.gemm2_out, then=then2)
     hooks.post_gemm(step)
-    combine(buffers.gemm2_out, prepared.topk_weights, out=buffers.output)
+    if then2 is None:
+        combine(buffers.gemm2_out, prepared.topk_weights, out=buffers.output)
     return buffers.output
 
 

@@ -3,15 +3,17 @@ token count to `moe/tuned/<device>.json`, which the oracle (`select_backend`) re
 
 For each token count M it routes M random tokens, and for each alignment block size
 times every candidate tile of gemm1 and of gemm2 on that alignment (CUDA-graph replays,
-L2 flushed), each together with the kernel that reads its output as the layer runs it
-(gemm1 -> activation, gemm2 -> combine: a K split in S parts makes that kernel sum S
-partials, which the GEMM alone does not show), keeping the fastest pair; the block size
+L2 flushed), each together with the reduction that reads its output as the layer runs it
+(gemm1 -> activation, gemm2 -> combine: fused into a decode GEMM's last CTAs, a kernel
+of its own after a prefill one; a K split in S parts makes it sum S partials, which the
+GEMM alone does not show), keeping the fastest pair; the block size
 with the smallest sum wins. A candidate's time is the mean over `routings` random
 routings (3 by default): with a few slots per expert one draw can rank two tiles the
 other way round from the next (on the H200 one draw picked a Mixtral M = 16 gemm2 tile
 that the benchmark's own draw timed 1.36x slower). The candidates are the oracle's own
 families (`candidate_tiles`): decode tiles (16-slot blocks, or 8-slot blocks with
-swapped operands; operands straight from global memory, K split over warps and CTAs)
+swapped operands, those also with the reduction fused into the GEMM; operands straight
+from global memory, K split over warps and CTAs)
 and prefill tiles (32 to 128-row blocks staged in shared memory); a tile that the layout
 or the shared memory cannot take is skipped. Weights are random bits in the kernel
 layout: timing does not depend on their values.
@@ -33,7 +35,7 @@ import torch
 
 from numba_kernels import interop
 from numba_kernels.activation import activate
-from numba_kernels.align import moe_align_block_size
+from numba_kernels.align import align_sizes, moe_align_block_size
 from numba_kernels.combine import combine
 from numba_kernels.fragments import SLAB_K
 from numba_kernels.gemm import GemmTile, grouped_gemm
@@ -41,6 +43,7 @@ from numba_kernels.gemm import GemmTile, grouped_gemm
 from .config import MoEConfig, QuantScheme
 from .oracle import (DECODE_TILE, SWAPPED_DECODE_TILE, TUNED_DIR, Backend, backend_to_dict, device_name, shape_key,
                      tuned_table)
+from .runner import fused_activation, fused_combine
 from .weights import ExpertWeights, kernel_spec
 from .workspace import gemm_out_elements, gemm_view
 
@@ -67,6 +70,8 @@ def candidate_tiles(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTile
             for split_k in (1, 2, 4, 8):
                 if split_k == 1 or slabs // split_k >= decode.stage_slabs:
                     tiles.append(attrs.evolve(decode, split_k=split_k))
+                    if decode.swap_ab:  # one wave of CTAs: finishing the reduction in the GEMM may pay
+                        tiles.append(attrs.evolve(decode, split_k=split_k, fused_reduction=True))
     if per_expert > 4:
         for block_m, warps_m, warps_n, depth, stages in PREFILL_SHAPES:
             tiles.append(GemmTile(block_m=block_m, warps_m=warps_m, warps_n=warps_n, warps_k=1, slabs_per_warp=depth,
@@ -143,6 +148,9 @@ def tune(config: MoEConfig, token_counts: Iterable[int], *, measure: Measure | N
         topk_weights = torch.rand(tokens, config.top_k, generator=generator, device=device)
         reduced = {"gemm1": torch.empty(slots, i, dtype=half, device=device),
                    "gemm2": torch.empty(tokens, h, dtype=half, device=device)}
+        # Counters for any tile: blocks of 8 slots or more, CTAs of 64 columns or more.
+        arrivals = torch.zeros(max(align_sizes(slots, config.num_experts, 8)[1] * -(-n1 // 64), tokens * -(-h // 64)),
+                               dtype=torch.int32, device=device)
 
         @functools.cache
         def alignments(block_m: int) -> list:  # each draw aligned once per block size
@@ -151,15 +159,17 @@ def tune(config: MoEConfig, token_counts: Iterable[int], *, measure: Measure | N
         timings: dict[int, dict[str, tuple[float, GemmTile]]] = {}
         for stage, tiles, act, n, k in (("gemm1", tiles1, hidden, n1, h), ("gemm2", tiles2, intermediate, h, i)):
             for tile in tiles:
-                out = gemm_view(torch.empty(gemm_out_elements(tile.split_k, slots, n), dtype=torch.float32,
-                                            device=device), tile.split_k, slots, n, half)
+                out = gemm_view(torch.empty(gemm_out_elements(tile, slots, n), dtype=torch.float32, device=device),
+                                tile, slots, n, half)
                 stored = weights.w13 if stage == "gemm1" else weights.w2
+                then = (fused_activation(config, tile, reduced[stage], arrivals) if stage == "gemm1"
+                        else fused_combine(config, tile, topk_weights, reduced[stage], arrivals))
 
-                def run(alignment, tile=tile, act=act, stored=stored, out=out, stage=stage):
-                    grouped_gemm(act, stored, *alignment, num_slots=slots, tile=tile, out=out)
-                    if stage == "gemm1":
+                def run(alignment, tile=tile, act=act, stored=stored, out=out, stage=stage, then=then):
+                    grouped_gemm(act, stored, *alignment, num_slots=slots, tile=tile, out=out, then=then)
+                    if then is None and stage == "gemm1":
                         activate(out, config.activation, out=reduced[stage])
-                    else:
+                    elif then is None:
                         combine(out, topk_weights, out=reduced[stage])
 
                 try:

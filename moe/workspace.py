@@ -16,9 +16,12 @@ import torch
 from layouts import QuantSpec
 from numba_kernels import interop
 from numba_kernels.align import align_sizes
+from numba_kernels.epilogue import arrivals_needed
+from numba_kernels.gemm import GemmTile
 
 from .config import MoEConfig
-from .oracle import Backend, select_backend, token_buckets
+from .oracle import (Backend, fused_activation_kind, fused_combine_kind, select_backend, token_buckets,
+                     writes_partials)
 from .replay import ProgramCache
 
 
@@ -39,6 +42,7 @@ class CallBuffers:
     intermediate: torch.Tensor  # (slots, I) half
     gemm2_out: torch.Tensor  # (slots, H) half, or (split, slots, H) float32
     output: torch.Tensor  # (M, H) half
+    arrivals: torch.Tensor  # int32 zeros: the fused reductions' counters (numba_kernels.epilogue)
 
 
 def starts_within(tensor: torch.Tensor, buffers) -> bool:
@@ -47,17 +51,29 @@ def starts_within(tensor: torch.Tensor, buffers) -> bool:
     return any(0 <= address - b.data_ptr() < b.numel() * b.element_size() for b in buffers)
 
 
-def gemm_out_elements(backend_split: int, slots: int, width: int) -> int:
+def gemm_out_elements(tile: GemmTile, slots: int, width: int) -> int:
     """float32 elements of a GEMM output: partials per split, or half values (2 per float)."""
-    return backend_split * slots * width if backend_split > 1 else -(-slots * width // 2)
+    return tile.split_k * slots * width if writes_partials(tile) else -(-slots * width // 2)
 
 
-def gemm_view(buffer: torch.Tensor, split: int, slots: int, width: int, half: torch.dtype) -> torch.Tensor:
-    """A GEMM output inside a float32 buffer: (split, slots, width) float32 partials, or
-    (slots, width) half values when K is not split."""
-    if split > 1:
-        return buffer[:split * slots * width].view(split, slots, width)
+def gemm_view(buffer: torch.Tensor, tile: GemmTile, slots: int, width: int, half: torch.dtype) -> torch.Tensor:
+    """A GEMM output inside a float32 buffer: (split, slots, width) float32 partials
+    (`oracle.writes_partials`), or (slots, width) half values."""
+    if writes_partials(tile):
+        return buffer[:tile.split_k * slots * width].view(tile.split_k, slots, width)
     return buffer.view(half)[:slots * width].view(slots, width)
+
+
+def arrivals_elements(config: MoEConfig, backend: Backend, blocks: int, tokens: int) -> int:
+    """Arrival counters the fused reductions of `backend` use (none: one stand-in)."""
+    needed = [1]
+    kind = fused_activation_kind(config, backend.gemm1)
+    if kind:
+        needed.append(arrivals_needed(kind, config.gate_up_size, backend.gemm1.block_n, blocks, tokens))
+    kind = fused_combine_kind(config, backend.gemm2)
+    if kind:
+        needed.append(arrivals_needed(kind, config.hidden_size, backend.gemm2.block_n, blocks, tokens))
+    return max(needed)
 
 
 class Workspace:
@@ -78,8 +94,9 @@ class Workspace:
         slots = max_tokens * config.top_k
         sizes = [align_sizes(slots, config.num_experts, b.block_m) for b in backends]
         half = getattr(torch, config.dtype)
-        gemm1 = max(gemm_out_elements(b.gemm1.split_k, slots, config.gate_up_size) for b in backends)
-        gemm2 = max(gemm_out_elements(b.gemm2.split_k, slots, config.hidden_size) for b in backends)
+        gemm1 = max(gemm_out_elements(b.gemm1, slots, config.gate_up_size) for b in backends)
+        gemm2 = max(gemm_out_elements(b.gemm2, slots, config.hidden_size) for b in backends)
+        arrivals = max(arrivals_elements(config, b, s[1], max_tokens) for b, s in zip(backends, sizes))
         device = interop.kernel_device()
         self.max_tokens = max_tokens
         self._topk_weights = torch.empty((max_tokens, config.top_k), dtype=torch.float32, device=device)
@@ -91,6 +108,7 @@ class Workspace:
         self._intermediate = torch.empty((slots, config.intermediate_size), dtype=half, device=device)
         self._gemm2 = torch.empty(gemm2, dtype=torch.float32, device=device)
         self._output = torch.empty((max_tokens, config.hidden_size), dtype=half, device=device)
+        self._arrivals = torch.zeros(arrivals, dtype=torch.int32, device=device)
         self.programs = ProgramCache()  # recorded forwards (see replay); they point into these buffers
 
     def grow(self, max_tokens: int) -> None:
@@ -100,7 +118,7 @@ class Workspace:
 
     def _tensors(self) -> tuple[torch.Tensor, ...]:
         return (self._topk_weights, self._topk_ids, self._sorted_ids, self._expert_ids, self._num_post_padded,
-                self._gemm1, self._intermediate, self._gemm2, self._output)
+                self._gemm1, self._intermediate, self._gemm2, self._output, self._arrivals)
 
     @property
     def nbytes(self) -> int:
@@ -126,8 +144,9 @@ class Workspace:
             topk_weights=self._topk_weights[:num_tokens], topk_ids=self._topk_ids[:num_tokens],
             sorted_token_ids=self._sorted_ids[:padded], expert_ids=self._expert_ids[:blocks],
             num_tokens_post_padded=self._num_post_padded,
-            gemm1_out=gemm_view(self._gemm1, backend.gemm1.split_k, slots, config.gate_up_size, half),
+            gemm1_out=gemm_view(self._gemm1, backend.gemm1, slots, config.gate_up_size, half),
             intermediate=self._intermediate[:slots],
-            gemm2_out=gemm_view(self._gemm2, backend.gemm2.split_k, slots, config.hidden_size, half),
+            gemm2_out=gemm_view(self._gemm2, backend.gemm2, slots, config.hidden_size, half),
             output=self._output[:num_tokens],
+            arrivals=self._arrivals,
         )

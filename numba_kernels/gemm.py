@@ -56,6 +56,7 @@ from layouts import QuantSpec
 from . import interop, ptx
 from .launch import launch_kernel
 from .elements import logical_k
+from .epilogue import FusedActivation, FusedCombine, check_fused, make_finisher
 from .fragments import CHUNK_N, SLAB_K, fragment_reader, staged_weights, staging_supported
 from .weights import KernelWeights
 
@@ -82,6 +83,9 @@ class GemmTile:
                     and 8 token slots as its B operand: blocks of 8 slots, half the mma,
                     accumulators and activation loads of a 16-slot block (a few tokens per
                     expert, the decode case).
+    fused_reduction: the layer runs this GEMM with `then=` (`epilogue`): it finishes the
+                    activation or the combine itself, one kernel fewer but a longer tail
+                    per CTA (the tuner picks it where that wins; decode tiles only).
     """
 
     block_m: int = attrs.field(default=16, validator=_positive_power_of_two)
@@ -94,8 +98,11 @@ class GemmTile:
     stages: int = attrs.field(default=3, validator=attrs.validators.and_(attrs.validators.ge(2),
                                                                           attrs.validators.le(8)))
     swap_ab: bool = False
+    fused_reduction: bool = False
 
     def __attrs_post_init__(self):
+        if self.fused_reduction and self.a_in_shared:
+            raise ValueError(f"fused_reduction is for decode tiles (no a_in_shared), got {self}")
         if self.swap_ab:
             if self.block_m != 8 or self.warps_m != 1 or self.a_in_shared:
                 raise ValueError(f"swap_ab takes blocks of 8 slots, warps_m = 1 and no a_in_shared, got {self}")
@@ -125,9 +132,11 @@ SHARED_MEMORY_BYTES = 48 * 1024  # static shared memory a kernel may declare
 
 @functools.cache
 def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str, partial_output: bool,
-                      mul_routed_weight: bool, pair_loads: bool = False):
+                      mul_routed_weight: bool, pair_loads: bool = False, fused: tuple | None = None):
     """The grouped GEMM for weights stored as `spec` (logical (n, k) per expert), `half`
-    activations, `tile`; float32 partials or `half` outputs.
+    activations, `tile`; float32 partials or `half` outputs; `fused` (the `kind` of an
+    `epilogue.FusedActivation` or `FusedCombine`): the partials' reduction, finished by
+    the last CTA of each output tile.
 
     The kernel takes activations as a 3-D (1, rows, cols) array: int32 half pairs
     (cols = K / 2) with `pair_loads`, else int16 halves (cols = K; odd K, or K sorted by
@@ -182,6 +191,10 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         raise ValueError(f"{tile} needs {shared_bytes} bytes of shared memory for {spec.name}, more than "
                          f"{SHARED_MEMORY_BYTES}: use fewer stages, slabs or rows")
     wait_copies = ptx.wait_copies[max(stages - 2, 0)]
+    if fused is not None and not partial_output:
+        raise ValueError("a fused reduction reads float32 partials: build with partial_output=True")
+    finishes = fused is not None
+    finish = make_finisher(fused, n, block_m, tile.block_n, tile.split_k, threads, half) if finishes else None
 
     @ptx.device
     def activation_pair(act, k_order, expert, row, kp):
@@ -326,7 +339,8 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                 out[slot, col] = int16(to_half(value))
 
     @ptx.kernel
-    def grouped_gemm(act, weights, sorted_ids, expert_ids, num_post_padded, topk_weights, out, num_slots, rows_div):
+    def grouped_gemm(act, weights, sorted_ids, expert_ids, num_post_padded, topk_weights, out, reduced, arrivals,
+                     num_slots, rows_div):
         block = cuda.blockIdx.x
         if block * block_m >= num_post_padded[0]:
             return
@@ -450,6 +464,9 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                                     col = chunk * CHUNK_N + 8 * nt + 2 * t + c
                                     store(out, split, slot, col, acc[mt, nt, 2 * r + c] * weight)
 
+        if finishes:
+            finish(out, reduced, arrivals, topk_weights, slots, num_slots, block, cuda.blockIdx.y, tid)
+
     return grouped_gemm
 
 
@@ -471,7 +488,8 @@ def activation_array(act: torch.Tensor, pair_loads: bool):
 
 def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_tokens_post_padded, *,
                  num_slots: int, tile: GemmTile = GemmTile(), topk_weights=None, out=None,
-                 partial_output: bool | None = None) -> torch.Tensor:
+                 partial_output: bool | None = None, then: FusedActivation | FusedCombine | None = None
+                 ) -> torch.Tensor:
     """One grouped GEMM over aligned token blocks.
 
     act:                     (M, K) per token (gemm1) or (num_slots, K) per slot (gemm2),
@@ -482,8 +500,12 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
     num_slots:               M * top_k; slot ids at or above it are padding.
     topk_weights:            (M, top_k) float32 to multiply each slot's output by, or None.
     out / partial_output:    the output, (num_slots, N) in act's dtype, or with
-                             partial_output (forced when tile.split_k > 1) float32
+                             partial_output (forced when tile.split_k > 1 or with `then`;
+                             by default also for a float32 `out`) float32
                              (split_k, num_slots, N) partial sums over K.
+    then:                    the reduction that reads the partials, finished by the GEMM
+                             itself (`epilogue`): `FusedActivation` (gemm1) or
+                             `FusedCombine` (gemm2); its arrival counters must be zeros.
     """
     act = interop.check_tensor("act", act, dtype=(torch.bfloat16, torch.float16), ndim=2)
     half = interop.HALF_NAMES[act.dtype]
@@ -499,9 +521,12 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
     if expert_ids.shape[0] != -(-sorted_token_ids.shape[0] // tile.block_m):
         raise ValueError(f"expert_ids ({expert_ids.shape[0]} blocks) must split sorted_token_ids "
                          f"({sorted_token_ids.shape[0]}) in blocks of {tile.block_m}: align with block_size = block_m")
-    partial_output = tile.split_k > 1 if partial_output is None else partial_output
-    if tile.split_k > 1 and not partial_output:
-        raise ValueError("split_k > 1 produces float32 partials: pass partial_output=True (or leave it unset)")
+    if out is not None:
+        out = interop.as_tensor(out, "out")
+    if partial_output is None:  # a float32 `out` holds partials (activations, hence outputs, are halves)
+        partial_output = tile.split_k > 1 or then is not None or (out is not None and out.dtype == torch.float32)
+    if (tile.split_k > 1 or then is not None) and not partial_output:
+        raise ValueError("split_k > 1 and then= produce float32 partials: pass partial_output=True (or leave it unset)")
     if topk_weights is None:
         weights_flat = interop.stand_in(1.0, torch.float32, act.device)
     else:
@@ -520,13 +545,23 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
                              f"through shared memory (see fragments.staging_supported): use a decode tile")
         if act.data_ptr() % 16:
             raise ValueError("act must start 16-byte aligned for a prefill tile (a_in_shared)")
-    kernel = make_grouped_gemm(weights.spec, n, k, tile, half, partial_output, topk_weights is not None, pairs)
+    if then is None:
+        reduced, arrivals = interop.stand_in(0, act.dtype, act.device), interop.stand_in(0, torch.int32, act.device)
+    else:
+        if topk_weights is not None:
+            raise ValueError("topk_weights multiplies the GEMM's output: with then=, pass the weights to FusedCombine")
+        reduced, arrivals, combine_weights = check_fused(then, n=n, block_n=tile.block_n, blocks=expert_ids.shape[0],
+                                                         num_slots=num_slots, half=act.dtype)
+        if combine_weights is not None:
+            weights_flat = combine_weights.reshape(-1)
+    kernel = make_grouped_gemm(weights.spec, n, k, tile, half, partial_output, topk_weights is not None, pairs,
+                               None if then is None else then.kind)
     grid = tile.grid(expert_ids.shape[0], n)
     launch_kernel(
         kernel, grid, tile.threads,
         activation_array(act, pairs), weights.arrays(), interop.to_kernel(sorted_token_ids), interop.to_kernel(expert_ids),
         interop.to_kernel(num_tokens_post_padded), interop.to_kernel(weights_flat), interop.to_kernel(out),
-        np.int32(num_slots), np.int32(num_slots // act.shape[0]))
+        interop.to_kernel(reduced), interop.to_kernel(arrivals), np.int32(num_slots), np.int32(num_slots // act.shape[0]))
     return out
 
 

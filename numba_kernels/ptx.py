@@ -17,6 +17,7 @@ helper                   PTX                                 used for
 ``load_u32x4(a, ...)``   load_words[4] at a[i, j, k]       16-byte loads by 3-D index
 ``load_words[n](a, i)``  ld.global.nc{,.v2,.v4}.u32          n words at flat element i
 ``load_shared[n](s, i)`` ld.shared{,.v2,.v4}.u32             n words of a shared array
+``load_coherent(a, i)``  ld.global.cg.u32                    a word other CTAs wrote
 ``copy_async(s, i, a,    cp.async.cg.shared.global 16        prefill: global -> shared
 j, bytes)``                                                  without registers
 ``commit_copies()``      cp.async.commit_group               close a pipeline stage
@@ -311,6 +312,10 @@ def _twin_load_words(count: int):
     return load
 
 
+def _twin_load_bits(array, offset):
+    return np.array(array.reshape(-1)[offset]).view(np.uint32)[()]
+
+
 _pending = threading.local()
 
 
@@ -402,9 +407,10 @@ def _shared_pointer(context, builder, array_type, array, offset_type, offset):
 
 
 def _check_flat(array, *offsets):
-    if not (isinstance(array, types.Array) and isinstance(array.dtype, types.Integer) and array.layout == "C"
+    if not (isinstance(array, types.Array) and isinstance(array.dtype, (types.Integer, types.Float))
+            and array.layout == "C"
             and all(isinstance(offset, types.Integer) for offset in offsets)):
-        raise TypeError(f"needs a C-contiguous integer array and integer offsets, got {array}, {offsets}")
+        raise TypeError(f"needs a C-contiguous integer or float array and integer offsets, got {array}, {offsets}")
 
 
 def _gpu_read(asm: str, count: int, address, collective: bool = False):
@@ -506,6 +512,10 @@ f32_bits, bits_f32 = (_twin_f32_bits, _twin_bits_f32) if SIMULATED else _gpu_bit
 load_words = {n: _twin_load_words(n) if SIMULATED else _gpu_word_load(n, "global") for n in (1, 2, 4)}
 # load_shared[n](shared, offset): the same from a uint32 shared array.
 load_shared = {n: _twin_load_words(n) if SIMULATED else _gpu_word_load(n, "shared") for n in (1, 2, 4)}
+# load_coherent(array, offset): the 32-bit word at flat element `offset` of a 32-bit array,
+# cached in L2 only: words another CTA of the same launch wrote (after a threadfence) are
+# read as written, never from a stale L1 line (`epilogue`).
+load_coherent = _twin_load_bits if SIMULATED else _gpu_read("ld.global.cg.u32 $0, [$1];", 1, _element_pointer)
 # copy_async(shared, i, source, j, source_bytes): 16 bytes from flat element j of a global
 # array to shared word i (both 16-byte aligned); bytes past source_bytes (0 or 16) are zero.
 # commit_copies() closes a group; wait_copies[n]() waits for all groups but the newest n.

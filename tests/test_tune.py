@@ -16,7 +16,7 @@ from numba_kernels.launch import recording
 CONFIG = MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=64,
                    quant=QuantScheme("native", bits=4, group_size=32))
 SLOW = GemmTile(block_m=16, warps_k=1, slabs_per_warp=1)
-FAST = GemmTile(block_m=16, warps_k=2, slabs_per_warp=1)
+FAST = GemmTile(block_m=16, warps_k=2, slabs_per_warp=1, fused_reduction=True)
 
 
 def test_tuner_keeps_the_fastest_tiles_and_the_oracle_reads_them(tmp_path, monkeypatch):
@@ -30,8 +30,9 @@ def test_tuner_keeps_the_fastest_tiles_and_the_oracle_reads_them(tmp_path, monke
 
     best = tune(CONFIG, [2], measure=measure, candidates=lambda tokens, config, k: [SLOW, FAST], progress=False,
                 routings=2)
-    # each tile timed on both routings, each GEMM with the kernel that reads its output
-    assert launched == [(SLOW, 2), (SLOW, 2), (FAST, 2), (FAST, 2)] * 2
+    # each tile timed on both routings, each GEMM with the reduction that reads its output:
+    # a kernel of its own, or finished by the GEMM (fused_reduction, one launch)
+    assert launched == [(SLOW, 2), (SLOW, 2), (FAST, 1), (FAST, 1)] * 2
     assert best[2].gemm1 == FAST and best[2].gemm2 == FAST and best[2].block_m == 16
 
     monkeypatch.setattr(moe.oracle, "TUNED_DIR", tmp_path)

@@ -19,11 +19,12 @@ from .ptx_check import compile_kernel  # first: numba_kernels would pick the sim
 
 from layouts import QuantSpec, formats  # noqa: E402
 from layouts.strategies import random_quantized  # noqa: E402
-from moe.oracle import DECODE_TILE, PREFILL_TILE, SWAPPED_DECODE_TILE  # noqa: E402
+from moe.oracle import (DECODE_TILE, PREFILL_TILE, SWAPPED_DECODE_TILE, fuses_reduction,  # noqa: E402
+                        writes_partials)
 from numba_kernels.gemm import GemmTile, make_grouped_gemm  # noqa: E402
 
 DECODE = attrs.evolve(DECODE_TILE, split_k=2)
-SWAPPED = attrs.evolve(SWAPPED_DECODE_TILE, split_k=2)
+SWAPPED = attrs.evolve(SWAPPED_DECODE_TILE, split_k=2, fused_reduction=True)
 PREFILL_64 = PREFILL_TILE
 PREFILL_128 = attrs.evolve(PREFILL_TILE, block_m=128, warps_m=2, stages=3)
 CASES = [(formats.native(4, 128), tile) for tile in (DECODE, SWAPPED, PREFILL_64, PREFILL_128)] + [
@@ -47,12 +48,15 @@ def _kernel_arrays(spec: QuantSpec, shape: tuple[int, int, int]) -> tuple:
 
 
 def resources(spec: QuantSpec, tile: GemmTile, n: int = 256, k: int = 512) -> str:
-    partial = tile.split_k > 1
-    kernel = make_grouped_gemm(spec, n, k, tile, "bfloat16", partial, True, True)
+    """One line of figures for the GEMM as the layer's gemm2 runs it: decode tiles with the
+    fused combine (top_k = 2), prefill tiles multiplying routed weights."""
+    partial, fused = writes_partials(tile), ("combine", 2) if fuses_reduction(tile) else None
+    kernel = make_grouped_gemm(spec, n, k, tile, "bfloat16", partial, fused is None, True, fused)
     ids = np.zeros(4, np.int32)
     out = np.zeros((tile.split_k, 8, n), np.float32) if partial else np.zeros((8, n), np.int16)
     compiled = compile_kernel(kernel, np.zeros((1, 4, k // 2), np.int32), _kernel_arrays(spec, (2, n, k)), ids, ids,
-                              ids[:1], np.zeros(8, np.float32), out, np.int32(8), np.int32(2))
+                              ids[:1], np.zeros(8, np.float32), out, np.zeros((4, n), np.int16),
+                              np.zeros(64, np.int32), np.int32(8), np.int32(2))
     registers = re.findall(r"Used (\d+) registers", compiled.report)
     stack = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", compiled.report)
     ptx = compiled.ptx

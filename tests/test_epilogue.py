@@ -1,0 +1,152 @@
+"""A GEMM that finishes its own reduction (`then=`) writes exactly what the separate
+kernel computes from the same partials, bit for bit, and leaves its counters at zero."""
+
+import attrs
+import numpy as np
+import pytest
+import torch
+
+import moe.runner
+import moe.workspace
+from layouts import formats
+from moe import MoEConfig, MoEHooks, MoELayer, QuantScheme
+from moe.oracle import heuristic_backend
+from layouts.strategies import random_quantized
+from numba_kernels import interop
+from numba_kernels.activation import Activation, activate
+from numba_kernels.align import moe_align_block_size
+from numba_kernels.combine import combine
+from numba_kernels.epilogue import FusedActivation, FusedCombine
+from numba_kernels.gemm import GemmTile, grouped_gemm
+from numba_kernels.launch import recording
+from numba_kernels.weights import KernelWeights
+
+SWAP = GemmTile(block_m=8, warps_k=2, slabs_per_warp=1, swap_ab=True, fused_reduction=True)
+SPLIT = GemmTile(block_m=16, warps_k=1, slabs_per_warp=1, split_k=2, fused_reduction=True)
+SWAP_SPLIT = GemmTile(block_m=8, warps_k=1, slabs_per_warp=1, split_k=2, swap_ab=True, fused_reduction=True)
+
+
+def setup(shape, *, tokens, top_k, tile, seed=0, per_slot=False):
+    """Weights (E, N, K) as int4 group 32, activations, alignment for `tile`, routing."""
+    rng = np.random.default_rng(seed)
+    spec = formats.native(4, 32)
+    weights = KernelWeights.from_physical(spec, spec.pack(random_quantized(spec, shape, rng)), shape)
+    device = interop.kernel_device()
+    topk_ids = torch.tensor(np.stack([rng.permutation(shape[0])[:top_k] for _ in range(tokens)]), dtype=torch.int32,
+                            device=device)
+    topk_weights = torch.tensor(rng.uniform(0.1, 1.0, (tokens, top_k)), dtype=torch.float32, device=device)
+    rows = tokens * top_k if per_slot else tokens
+    act = torch.tensor(0.1 * rng.standard_normal((rows, shape[2])), dtype=torch.float32).to(torch.bfloat16).to(device)
+    alignment = moe_align_block_size(topk_ids, tile.block_m, shape[0], check_ids=False)
+    return weights, act, alignment, topk_ids, topk_weights
+
+
+def arrivals(count=64):
+    return torch.zeros(count, dtype=torch.int32, device=interop.kernel_device())
+
+
+@pytest.mark.parametrize("tile,activation,n", [(SWAP_SPLIT, Activation("silu"), 128),  # halves: gate, up tiles
+                                               (SPLIT, Activation("swigluoai"), 128),  # interleaved
+                                               (SWAP, Activation("relu", gated=False), 96)])
+def test_fused_activation_equals_the_activation_kernel(tile, activation, n):
+    tokens, top_k = 3, 2
+    weights, act, alignment, topk_ids, _ = setup((4, n, 32), tokens=tokens, top_k=top_k, tile=tile)
+    slots = tokens * top_k
+    partials = grouped_gemm(act, weights, *alignment, num_slots=slots, tile=tile, partial_output=True)
+    expected = activate(partials, activation, out_dtype=torch.bfloat16)
+    counters = arrivals()
+    out = torch.full_like(expected, float("nan"))
+    fused_partials = grouped_gemm(act, weights, *alignment, num_slots=slots, tile=tile,
+                                  then=FusedActivation(activation, out, counters))
+    assert torch.equal(fused_partials, partials)
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+    assert not counters.any()  # zeros again for the next call
+
+
+@pytest.mark.parametrize("tile", [SPLIT, SWAP_SPLIT])
+def test_fused_combine_equals_the_combine_kernel(tile):
+    tokens, top_k, n = 3, 2, 96
+    weights, act, alignment, topk_ids, topk_weights = setup((4, n, 32), tokens=tokens, top_k=top_k, tile=tile,
+                                                           per_slot=True)
+    slots = tokens * top_k
+    partials = grouped_gemm(act, weights, *alignment, num_slots=slots, tile=tile, partial_output=True)
+    expected = combine(partials, topk_weights, out_dtype=torch.bfloat16)
+    counters = arrivals()
+    out = torch.full_like(expected, float("nan"))
+    grouped_gemm(act, weights, *alignment, num_slots=slots, tile=tile, then=FusedCombine(topk_weights, out, counters))
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+    assert not counters.any()
+
+
+def test_fused_combine_counts_a_token_routed_twice_to_one_expert():
+    """Given topk_ids may repeat an expert: both slots sit in one block and arrive twice."""
+    tile, n = SWAP, 64
+    weights, act, _, _, topk_weights = setup((4, n, 32), tokens=2, top_k=2, tile=tile, per_slot=True)
+    topk_ids = torch.tensor([[1, 1], [3, 1]], dtype=torch.int32, device=act.device)
+    alignment = moe_align_block_size(topk_ids, tile.block_m, 4, check_ids=False)
+    partials = grouped_gemm(act, weights, *alignment, num_slots=4, tile=tile, partial_output=True)
+    expected = combine(partials, topk_weights, out_dtype=torch.bfloat16)
+    out, counters = torch.empty_like(expected), arrivals()
+    grouped_gemm(act, weights, *alignment, num_slots=4, tile=tile, then=FusedCombine(topk_weights, out, counters))
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+    assert not counters.any()
+
+
+def test_bad_fused_arguments_raise_errors_naming_the_argument():
+    tile = SWAP
+    weights, act, alignment, _, topk_weights = setup((4, 96, 32), tokens=3, top_k=2, tile=tile)
+    call = dict(num_slots=6, tile=tile)
+    out = torch.empty(6, 48, dtype=torch.bfloat16, device=act.device)
+    with pytest.raises(ValueError, match="whole CTA columns"):  # I = 48 gate features: not a 64-column tile
+        grouped_gemm(act, weights, *alignment, **call, then=FusedActivation(Activation("silu"), out, arrivals()))
+    interleaved = FusedActivation(Activation("swigluoai"), out, arrivals(1))
+    with pytest.raises(ValueError, match="then.arrivals holds 1 counters"):
+        grouped_gemm(act, weights, *alignment, **call, then=interleaved)
+    with pytest.raises(ValueError, match="then.out must have shape"):
+        grouped_gemm(act, weights, *alignment, **call,
+                     then=FusedActivation(Activation("swigluoai"), out[:5], arrivals()))
+    with pytest.raises(ValueError, match="then.topk_weights"):
+        grouped_gemm(act, weights, *alignment, **call,
+                     then=FusedCombine(topk_weights[:2], torch.empty(2, 96, dtype=torch.bfloat16, device=act.device), arrivals()))
+    with pytest.raises(ValueError, match="pass the weights to FusedCombine"):
+        grouped_gemm(act, weights, *alignment, **call, topk_weights=topk_weights,
+                     then=FusedCombine(topk_weights, torch.empty(3, 96, dtype=torch.bfloat16, device=act.device), arrivals()))
+    with pytest.raises(TypeError, match="then must be"):
+        grouped_gemm(act, weights, *alignment, **call, then="combine")
+    with pytest.raises(ValueError, match="partial_output=True"):
+        grouped_gemm(act, weights, *alignment, **call, partial_output=False,
+                     then=FusedActivation(Activation("swigluoai"), out, arrivals()))
+
+
+def test_only_decode_tiles_fuse():
+    with pytest.raises(ValueError, match="fused_reduction is for decode tiles"):
+        GemmTile(block_m=32, warps_k=1, a_in_shared=True, fused_reduction=True)
+
+
+class _SeparateReductions(MoEHooks):
+    def post_gemm(self, step):  # changes nothing, but the runner then keeps the reductions apart
+        pass
+
+
+def test_layer_with_fused_tiles_runs_three_kernels_and_matches_the_separate_ones(monkeypatch):
+    def fused(config, tokens, spec):
+        backend = heuristic_backend(config, tokens, spec)
+        return attrs.evolve(backend, gemm1=attrs.evolve(backend.gemm1, fused_reduction=True),
+                            gemm2=attrs.evolve(backend.gemm2, fused_reduction=True))
+
+    monkeypatch.setattr(moe.runner, "select_backend", fused)
+    monkeypatch.setattr(moe.workspace, "select_backend", fused)
+    config = MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=64,
+                       quant=QuantScheme("native", bits=4, group_size=32))
+    layer = MoELayer(config, max_tokens=2)
+    layer.weights.fill_random(seed=0)
+    generator = torch.Generator().manual_seed(0)
+    hidden = (0.1 * torch.randn(2, 64, generator=generator)).to(torch.bfloat16).to(interop.kernel_device())
+    logits = torch.randn(2, 4, generator=generator).to(interop.kernel_device())
+    layer.hooks = MoEHooks()  # ordinary launches, recorded; no post_gemm hook: fused
+    with recording() as calls:
+        fused_out = layer(hidden, logits).clone()
+    assert [call.kernel.py_func.__name__ for call in calls] == ["route_and_align", "grouped_gemm", "grouped_gemm"]
+    layer.hooks = _SeparateReductions()
+    separate = layer(hidden, logits)
+    assert torch.equal(fused_out.view(torch.int16), separate.view(torch.int16))
