@@ -228,9 +228,9 @@ def test_fused_reductions_equal_the_separate_kernels_bit_for_bit(shape, quant, m
     """Decode GEMMs that finish the activation and the combine in their last CTAs
     (thousands of CTAs racing for the counters here): the same bits as the separate
     kernels, in eager calls and in 20 replays of a CUDA graph, the counters back at zero."""
-    fused = _fusing(moe.oracle.select_backend)
-    monkeypatch.setattr(moe.runner, "select_backend", fused)
-    monkeypatch.setattr(moe.workspace, "select_backend", fused)
+    select_fused = _fusing(moe.oracle.select_backend)
+    monkeypatch.setattr(moe.runner, "select_backend", select_fused)
+    monkeypatch.setattr(moe.workspace, "select_backend", select_fused)
     config = MoEConfig(**REALISTIC[shape], quant=quant)
     layer = MoELayer(config, max_tokens=16)
     layer.weights.fill_random(seed=4)
@@ -250,6 +250,6 @@ def test_fused_reductions_equal_the_separate_kernels_bit_for_bit(shape, quant, m
             graph.replay()
             assert torch.equal(static_out.view(torch.int16), separate.view(torch.int16)), f"M={tokens}, replayed"
         torch.cuda.synchronize()
-        backend = fused(config, tokens, layer.weights.spec)
+        backend = select_fused(config, tokens, layer.weights.spec)
         assert backend.gemm1.fused_reduction and not backend.gemm1.a_in_shared
         assert not layer.workspace.buffers(tokens, backend).arrivals.any()
