@@ -5,8 +5,8 @@ in the kernel layout, NVFP4) and token count M, it times with CUDA events, after
 with the L2 cache flushed before every run, the median of many runs of:
 
 * gemm_ms:  the two grouped GEMMs as the layer runs them (routing and alignment done
-            beforehand), replayed from a CUDA graph: with decode tiles each finishes the
-            reduction after it (activation, combine) in its last CTAs; at M <= 16 also
+            beforehand), replayed from a CUDA graph: a tile with `fused_reduction` also
+            finishes the reduction after it (activation, combine); at M <= 16 also
             gemm_plain_ms, the two GEMMs writing partials only (the earlier runs' gemm_ms);
 * layer_ms: the whole layer (routing to combine), replayed from a CUDA graph;
 * torch_ms: the torch reference, dequantised bf16 experts multiplied in a loop over experts;

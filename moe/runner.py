@@ -5,9 +5,10 @@
                   count, route (top-k of the router logits, unless given) and align the
                   token slots to expert blocks (one launch for a few tokens);
     run:          gemm1 -> hooks -> activation -> gemm2 -> hooks -> combine (weighted
-                  sum over each token's experts); with decode tiles each GEMM finishes
-                  the reduction after it in its last CTAs (`numba_kernels.epilogue`),
-                  one kernel fewer each, unless a post_gemm hook must see the partials.
+                  sum over each token's experts); a tile with `fused_reduction` makes its
+                  GEMM finish the reduction after it in its last CTAs
+                  (`numba_kernels.epilogue`), one kernel fewer, unless a post_gemm hook
+                  must see the partials first.
 
 `forward` is what both entry points call: it checks the inputs, then either replays the
 launches recorded by an earlier call of the same kind (`replay`: the eager fast path) or

@@ -22,8 +22,11 @@ GEMM can take the reduction that reads its output (`then=` of `gemm.grouped_gemm
                         of the token's top_k slots from every split: top_k S arrivals, one
                         per slot, counted by whichever block holds the slot.
 
-The last CTA reads partials that other CTAs wrote during this launch, so it loads them
-past the incoherent L1 (`ptx.load_coherent`). This is the serial split-K reduction of
+Every CTA's tail grows by a fence, a counter round trip and (the last) a round of L2
+reads: on the H200 that paid at 1 to 4 tokens, where the grid is one wave, and lost
+where it is several (`moe.oracle.fuses_reduction`). The last CTA reads partials that
+other CTAs wrote during this launch, so it loads them past the incoherent L1
+(`ptx.load_coherent`). This is the serial split-K reduction of
 CUTLASS's semaphore epilogue, with the counters in the caller's workspace.
 """
 
