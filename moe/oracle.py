@@ -19,6 +19,13 @@ back to a heuristic:
   would not fill the card (`split_to_fill`). Weights whose layout cannot be staged
   (`gemm.prefill_supported`: act-order, scales not lane-contiguous) take decode tiles.
 
+A tile's `fused_reduction` (the GEMM finishes the activation or the combine in its last
+CTAs, `numba_kernels.epilogue`) is set only by the tuner. Measured on the H200
+(2026-11-23, fused on every decode tile): the layer 0.9 to 3 us faster at M = 1 on Qwen3
+and Mixtral, but 3 to 85 us slower at M = 4 to 16 and on DeepSeek, where grids of several
+waves pay each CTA's longer tail (fence, counter, reduction) once per wave; so the
+heuristic never fuses.
+
 The batched layout (tokens laid out expert by expert, as expert parallelism ships them;
 `moe.batched`) uses the same tiles, chosen from the expected tokens per expert.
 """
@@ -35,7 +42,7 @@ import torch
 from layouts import QuantSpec
 from numba_kernels import interop
 from numba_kernels.fragments import SLAB_K, fast_path_supported
-from numba_kernels.epilogue import activation_fusable
+from numba_kernels.epilogue import activation_fusable, activation_kind, combine_kind
 from numba_kernels.gemm import GemmTile, make_grouped_gemm, pair_loads, prefill_supported
 from numba_kernels.route_align import fusable
 
@@ -148,33 +155,22 @@ def heuristic_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec | None
     return prefill
 
 
-def fuses_reduction(tile: GemmTile) -> bool:
-    """Whether a GEMM run with `tile` finishes the reduction that reads its output (gemm1:
-    the activation, gemm2: the combine) in its own last CTAs (`numba_kernels.epilogue`)
-    instead of leaving it to a kernel of its own: the tile's `fused_reduction`, which
-    only the tuner sets. Measured on the H200 (2026-11-23, fused on every decode tile):
-    the layer 0.9 to 3 us faster at M = 1 on Qwen3 and Mixtral, but 3 to 85 us slower at
-    M = 4 to 16 and on DeepSeek, where grids of several waves pay each CTA's longer tail
-    (fence, counter, reduction) once per wave; so the heuristic never fuses."""
-    return tile.fused_reduction
-
-
 def writes_partials(tile: GemmTile) -> bool:
     """Whether the GEMM writes float32 partials (split_k, slots, N) rather than halves:
-    a K split, or a tile that may finish the reduction itself (`fuses_reduction`)."""
-    return tile.split_k > 1 or fuses_reduction(tile)
+    a K split, or a tile that may finish the reduction itself (`fused_reduction`)."""
+    return tile.split_k > 1 or tile.fused_reduction
 
 
 def fused_activation_kind(config: MoEConfig, tile: GemmTile) -> tuple | None:
     """The `FusedActivation.kind` gemm1 finishes with `tile`, or None (a separate kernel)."""
-    if fuses_reduction(tile) and activation_fusable(config.activation, config.gate_up_size, tile.block_n):
-        return ("activation", config.activation)
+    if tile.fused_reduction and activation_fusable(config.activation, config.gate_up_size, tile.block_n):
+        return activation_kind(config.activation)
     return None
 
 
 def fused_combine_kind(config: MoEConfig, tile: GemmTile) -> tuple | None:
     """The `FusedCombine.kind` gemm2 finishes with `tile`, or None (a separate kernel)."""
-    return ("combine", config.top_k) if fuses_reduction(tile) else None
+    return combine_kind(config.top_k) if tile.fused_reduction else None
 
 
 def fused_routing(config: MoEConfig, num_tokens: int) -> bool:

@@ -45,7 +45,7 @@ from .oracle import (DECODE_TILE, SWAPPED_DECODE_TILE, TUNED_DIR, Backend, backe
                      tuned_table)
 from .runner import fused_activation, fused_combine
 from .weights import ExpertWeights, kernel_spec
-from .workspace import gemm_out_elements, gemm_view
+from .workspace import arrivals_elements, gemm_out_elements, gemm_view
 
 Measure = Callable[[Callable[[], None], GemmTile], float]
 
@@ -148,8 +148,10 @@ def tune(config: MoEConfig, token_counts: Iterable[int], *, measure: Measure | N
         topk_weights = torch.rand(tokens, config.top_k, generator=generator, device=device)
         reduced = {"gemm1": torch.empty(slots, i, dtype=half, device=device),
                    "gemm2": torch.empty(tokens, h, dtype=half, device=device)}
-        # Counters for any tile: blocks of 8 slots or more, CTAs of 64 columns or more.
-        arrivals = torch.zeros(max(align_sizes(slots, config.num_experts, 8)[1] * -(-n1 // 64), tokens * -(-h // 64)),
+        # Counters for any candidate: the most blocks (8 slots) and columns (one warp's) a tile has.
+        widest = attrs.evolve(SWAPPED_DECODE_TILE, fused_reduction=True)
+        blocks = align_sizes(slots, config.num_experts, widest.block_m)[1]
+        arrivals = torch.zeros(arrivals_elements(config, Backend(widest.block_m, widest, widest), blocks, tokens),
                                dtype=torch.int32, device=device)
 
         @functools.cache

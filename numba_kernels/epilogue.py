@@ -24,7 +24,7 @@ GEMM can take the reduction that reads its output (`then=` of `gemm.grouped_gemm
 
 Every CTA's tail grows by a fence, a counter round trip and (the last) a round of L2
 reads: on the H200 that paid at 1 to 4 tokens, where the grid is one wave, and lost
-where it is several (`moe.oracle.fuses_reduction`). The last CTA reads partials that
+where it is several (`moe.oracle`: only the tuner sets `GemmTile.fused_reduction`). The last CTA reads partials that
 other CTAs wrote during this launch, so it loads them past the incoherent L1
 (`ptx.load_coherent`). This is the serial split-K reduction of
 CUTLASS's semaphore epilogue, with the counters in the caller's workspace.
@@ -54,7 +54,7 @@ class FusedActivation:
 
     @property
     def kind(self) -> tuple:
-        return ("activation", self.activation)
+        return activation_kind(self.activation)
 
 
 @attrs.frozen(eq=False)
@@ -67,18 +67,33 @@ class FusedCombine:
 
     @property
     def kind(self) -> tuple:
-        return ("combine", self.topk_weights.shape[1])
+        return combine_kind(self.topk_weights.shape[1])
+
+
+def activation_kind(activation: Activation) -> tuple:
+    """The compile-time part of a `FusedActivation` (what `make_finisher` takes)."""
+    return ("activation", activation)
+
+
+def combine_kind(top_k: int) -> tuple:
+    """The compile-time part of a `FusedCombine`."""
+    return ("combine", top_k)
+
+
+def _halves(activation: Activation) -> bool:
+    """Gate and up in two halves [gate | up] of the row, so in two CTA columns."""
+    return activation.gated and not activation.interleaved
 
 
 def activation_fusable(activation: Activation, n: int, block_n: int) -> bool:
     """Whether gemm1 (n = 2I gate/up outputs, CTAs of block_n columns) can finish
     `activation`: halves need the gate and up tiles of a feature in two whole columns."""
-    return not (activation.gated and not activation.interleaved) or (n // 2) % block_n == 0
+    return not _halves(activation) or (n // 2) % block_n == 0
 
 
 def activation_tiles(activation: Activation, n: int, block_n: int) -> int:
     """Output tiles per token block of gemm1 (n gate/up outputs): arrival counters per block."""
-    return n // 2 // block_n if activation.gated and not activation.interleaved else -(-n // block_n)
+    return n // 2 // block_n if _halves(activation) else -(-n // block_n)
 
 
 def arrivals_needed(kind: tuple, n: int, block_n: int, blocks: int, tokens: int) -> int:
@@ -131,9 +146,8 @@ def make_finisher(kind: tuple, n: int, block_m: int, block_n: int, split_k: int,
         activation = kind[1]
         apply = _pointwise(activation)
         gated, interleaved = activation.gated, activation.interleaved
-        halves = gated and not interleaved
         tiles = activation_tiles(activation, n, block_n)
-        expected = (2 if halves else 1) * split_k
+        expected = (2 if _halves(activation) else 1) * split_k
         outputs = block_n // 2 if interleaved else block_n  # finished outputs per tile
         per_thread = -(-block_m * outputs // threads)
         width = activation.output_width(n)

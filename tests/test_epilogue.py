@@ -1,17 +1,15 @@
 """A GEMM that finishes its own reduction (`then=`) writes exactly what the separate
 kernel computes from the same partials, bit for bit, and leaves its counters at zero."""
 
-import attrs
 import numpy as np
 import pytest
 import torch
+from fusing import SeparateReductions, fuse_every_tile
 
-import moe.runner
-import moe.workspace
 from layouts import formats
+from layouts.strategies import random_quantized
 from moe import MoEConfig, MoEHooks, MoELayer, QuantScheme
 from moe.oracle import heuristic_backend
-from layouts.strategies import random_quantized
 from numba_kernels import interop
 from numba_kernels.activation import Activation, activate
 from numba_kernels.align import moe_align_block_size
@@ -123,19 +121,8 @@ def test_only_decode_tiles_fuse():
         GemmTile(block_m=32, warps_k=1, a_in_shared=True, fused_reduction=True)
 
 
-class _SeparateReductions(MoEHooks):
-    def post_gemm(self, step):  # changes nothing, but the runner then keeps the reductions apart
-        pass
-
-
 def test_layer_with_fused_tiles_runs_three_kernels_and_matches_the_separate_ones(monkeypatch):
-    def fused(config, tokens, spec):
-        backend = heuristic_backend(config, tokens, spec)
-        return attrs.evolve(backend, gemm1=attrs.evolve(backend.gemm1, fused_reduction=True),
-                            gemm2=attrs.evolve(backend.gemm2, fused_reduction=True))
-
-    monkeypatch.setattr(moe.runner, "select_backend", fused)
-    monkeypatch.setattr(moe.workspace, "select_backend", fused)
+    fuse_every_tile(monkeypatch, heuristic_backend)
     config = MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=64,
                        quant=QuantScheme("native", bits=4, group_size=32))
     layer = MoELayer(config, max_tokens=2)
@@ -147,6 +134,6 @@ def test_layer_with_fused_tiles_runs_three_kernels_and_matches_the_separate_ones
     with recording() as calls:
         fused_out = layer(hidden, logits).clone()
     assert [call.kernel.py_func.__name__ for call in calls] == ["route_and_align", "grouped_gemm", "grouped_gemm"]
-    layer.hooks = _SeparateReductions()
+    layer.hooks = SeparateReductions()
     separate = layer(hidden, logits)
     assert torch.equal(fused_out.view(torch.int16), separate.view(torch.int16))

@@ -4,15 +4,13 @@ converting checkpoints, correct results on two streams at once, DLPack inputs fr
 and JAX, prefill tiles, the batched layout, the tuner's timing, and every tuned entry of
 this device's table on its own shape."""
 
-import attrs
 import numpy as np
 import pytest
 import torch
+from fusing import SeparateReductions, fuse_every_tile
 
 import moe.oracle
-import moe.runner
-import moe.workspace
-from moe import MoEConfig, MoEHooks, MoELayer, QuantScheme, batched_moe, select_backend
+from moe import MoEConfig, MoELayer, QuantScheme, batched_moe, select_backend
 from moe.oracle import device_name, shape_key, tuned_table
 from moe.reference import random_checkpoint, reference_moe
 from moe.tune import tune
@@ -202,24 +200,8 @@ def test_tuned_entries_compute_what_the_heuristic_computes(key, tokens, monkeypa
     assert (torch.linalg.norm(got - expected) / torch.linalg.norm(expected)).item() < 1e-2
 
 
-class _SeparateReductions(MoEHooks):
-    """A post_gemm hook that changes nothing, but makes the runner launch the activation
-    and combine kernels instead of fusing them into the GEMMs."""
-
-    def post_gemm(self, step):
-        pass
-
-
 REALISTIC = {"qwen3": dict(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768),
              "mixtral": dict(num_experts=8, top_k=2, hidden_size=4096, intermediate_size=14336)}
-
-
-def _fusing(select):
-    def select_fused(config, tokens, spec):
-        backend = select(config, tokens, spec)
-        return attrs.evolve(backend, gemm1=attrs.evolve(backend.gemm1, fused_reduction=True),
-                            gemm2=attrs.evolve(backend.gemm2, fused_reduction=True))
-    return select_fused
 
 
 @pytest.mark.parametrize("shape", sorted(REALISTIC))
@@ -228,16 +210,14 @@ def test_fused_reductions_equal_the_separate_kernels_bit_for_bit(shape, quant, m
     """Decode GEMMs that finish the activation and the combine in their last CTAs
     (thousands of CTAs racing for the counters here): the same bits as the separate
     kernels, in eager calls and in 20 replays of a CUDA graph, the counters back at zero."""
-    select_fused = _fusing(moe.oracle.select_backend)
-    monkeypatch.setattr(moe.runner, "select_backend", select_fused)
-    monkeypatch.setattr(moe.workspace, "select_backend", select_fused)
+    select_fused = fuse_every_tile(monkeypatch, moe.oracle.select_backend)
     config = MoEConfig(**REALISTIC[shape], quant=quant)
     layer = MoELayer(config, max_tokens=16)
     layer.weights.fill_random(seed=4)
     for tokens in (1, 4, 16):
         hidden, logits = _inputs(config, tokens, tokens)
         fused = layer(hidden, logits).clone()
-        layer.hooks = _SeparateReductions()
+        layer.hooks = SeparateReductions()
         separate = layer(hidden, logits).clone()
         layer.hooks = None
         assert torch.isfinite(separate).all()

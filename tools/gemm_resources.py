@@ -19,8 +19,8 @@ from .ptx_check import compile_kernel  # first: numba_kernels would pick the sim
 
 from layouts import QuantSpec, formats  # noqa: E402
 from layouts.strategies import random_quantized  # noqa: E402
-from moe.oracle import (DECODE_TILE, PREFILL_TILE, SWAPPED_DECODE_TILE, fuses_reduction,  # noqa: E402
-                        writes_partials)
+from moe.oracle import DECODE_TILE, PREFILL_TILE, SWAPPED_DECODE_TILE, writes_partials  # noqa: E402
+from numba_kernels.epilogue import combine_kind  # noqa: E402
 from numba_kernels.gemm import GemmTile, make_grouped_gemm  # noqa: E402
 
 DECODE = attrs.evolve(DECODE_TILE, split_k=2)
@@ -50,7 +50,7 @@ def _kernel_arrays(spec: QuantSpec, shape: tuple[int, int, int]) -> tuple:
 def resources(spec: QuantSpec, tile: GemmTile, n: int = 256, k: int = 512) -> str:
     """One line of figures for the GEMM as the layer's gemm2 runs it: decode tiles with the
     fused combine (top_k = 2), prefill tiles multiplying routed weights."""
-    partial, fused = writes_partials(tile), ("combine", 2) if fuses_reduction(tile) else None
+    partial, fused = writes_partials(tile), combine_kind(2) if tile.fused_reduction else None
     kernel = make_grouped_gemm(spec, n, k, tile, "bfloat16", partial, fused is None, True, fused)
     ids = np.zeros(4, np.int32)
     out = np.zeros((tile.split_k, 8, n), np.float32) if partial else np.zeros((8, n), np.int16)
