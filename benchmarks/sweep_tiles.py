@@ -34,9 +34,12 @@ FAMILIES = {  # the oracle's tiles and the variants they were measured against
     "decode-staged-n4": attrs.evolve(DECODE_TILE, warps_n=4, warps_k=1, stages=6, a_in_shared=True),
     "prefill-32x256": attrs.evolve(PREFILL_TILE, block_m=32),
     "prefill-64x256": PREFILL_TILE,
-    "prefill-64x512": attrs.evolve(PREFILL_TILE, warps_n=8, stages=3),
-    "prefill-128x256": attrs.evolve(PREFILL_TILE, block_m=128, warps_m=2, stages=3),
-    "prefill-64x256-s3": attrs.evolve(PREFILL_TILE, stages=3),
+    "prefill-64x256-m2": attrs.evolve(PREFILL_TILE, warps_m=2),
+    "prefill-64x256-d1s6": attrs.evolve(PREFILL_TILE, slabs_per_warp=1, stages=6),
+    "prefill-64x256-d2s3": attrs.evolve(PREFILL_TILE, slabs_per_warp=2, stages=3),
+    "prefill-64x256-d2s4": attrs.evolve(PREFILL_TILE, slabs_per_warp=2, stages=4),
+    "prefill-64x512-d2s3": attrs.evolve(PREFILL_TILE, warps_n=8, slabs_per_warp=2, stages=3),
+    "prefill-128x256-d2s3": attrs.evolve(PREFILL_TILE, block_m=128, warps_m=2, slabs_per_warp=2, stages=3),
 }
 
 

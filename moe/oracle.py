@@ -15,8 +15,13 @@ back to a heuristic:
   more latency), and shared-memory pipelines of 16-slot blocks were up to 2.7x slower;
 * prefill: blocks of 64 slots (32 up to 64 slots per expert), both operands staged in
   shared memory by a `cp.async` pipeline, warps of 64 rows x 64 features (every decoded
-  weight fragment feeds four mma), four warps along N, a K split only where the grid
-  would not fill the card (`split_to_fill`). Weights whose layout cannot be staged
+  weight fragment feeds four mma), four warps along N, 64 input features per stage in
+  two buffers, a K split only where the grid would not fill the card (`split_to_fill`).
+  Since the main loop keeps two slabs' operands in registers (the eighth session), 64-
+  feature stages in two buffers beat 32-feature stages in four on the H200 at M = 1024
+  and 4096 for w4a16 (Mixtral 8.64 against 9.14 ms for the two GEMMs at M = 4096): a
+  barrier and a round of copies per 64 features instead of per 32, and 16-byte activation
+  copies free of bank conflicts (36-word rows). Weights whose layout cannot be staged
   (`gemm.prefill_supported`: act-order, scales not lane-contiguous) take decode tiles.
 
 A tile's `fused_reduction` (the GEMM finishes the activation or the combine in its last
@@ -123,19 +128,19 @@ def _decode_backend(config: MoEConfig, num_tokens: int) -> Backend:
     return _filled_backend(tile, config, num_tokens)
 
 
-PREFILL_TILE = GemmTile(block_m=64, warps_m=1, warps_n=4, warps_k=1, slabs_per_warp=2, stages=4, a_in_shared=True)
+PREFILL_TILE = GemmTile(block_m=64, warps_m=1, warps_n=4, warps_k=1, slabs_per_warp=4, stages=2, a_in_shared=True)
 PREFILL_BLOCK_32_TOKENS_PER_EXPERT = 64
 
 
 def _prefill_backend(config: MoEConfig, num_tokens: int) -> Backend:
     """Blocks of 64 slots, one warp along the rows (four 16-row m tiles: every decoded
-    weight fragment feeds four mma), four 64-feature warps along N, 32 input features per
-    stage, 4 stages; blocks of 32 slots up to 64 slots per expert (less padding where
+    weight fragment feeds four mma), four 64-feature warps along N, 64 input features per
+    stage, 2 stages; blocks of 32 slots up to 64 slots per expert (less padding where
     experts get a block and a bit), and a K split where the grid would not fill the card.
-    Sweeps on the H200 (2026-11-23, `benchmarks/sweep_tiles.py`): 64-row blocks best or
-    within 2 % at Qwen3 M = 4096 and Mixtral M = 1024; at 64 slots per expert 32-row
-    blocks were 1.25x faster for Qwen3 (M = 1024) and 1.05x slower for Mixtral (M = 256);
-    128-row blocks and 512-feature CTAs 1.1 to 1.6x slower on all but one GEMM swept."""
+    Sweep on the H200 (2026-11-24, `benchmarks/sweep_tiles.py`, w4a16): 64-row blocks
+    best for both GEMMs at Mixtral M = 1024, 4096 and Qwen3 M = 4096; at 64 slots per
+    expert and fewer 32-row blocks 1.2x (Qwen3 M = 1024) to 2x (M = 256) faster; 128-row
+    blocks 1.05 to 2x slower everywhere."""
     per_expert = num_tokens * config.top_k / config.num_local_experts
     tile = PREFILL_TILE if per_expert > PREFILL_BLOCK_32_TOKENS_PER_EXPERT else attrs.evolve(PREFILL_TILE, block_m=32)
     return _filled_backend(tile, config, num_tokens)

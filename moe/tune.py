@@ -51,7 +51,7 @@ Measure = Callable[[Callable[[], None], GemmTile], float]
 
 
 PREFILL_SHAPES = [  # (block_m, warps_m, warps_n, slabs_per_warp, stages): the best of a wider H200 sweep
-    (32, 1, 4, 2, 4), (64, 1, 4, 2, 4), (64, 1, 8, 2, 3), (128, 2, 4, 2, 3)]
+    (32, 1, 4, 4, 2), (64, 1, 4, 4, 2), (64, 1, 4, 2, 4), (64, 1, 8, 2, 3), (128, 2, 4, 2, 3)]
 
 
 DECODE_FAMILIES = [  # (up to this many slots per expert, tile): each won some GEMMs on the H200 (BENCHMARKS.md)

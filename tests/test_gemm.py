@@ -270,6 +270,7 @@ def test_tile_parameters_are_validated():
 @pytest.mark.parametrize("tile", [  # the oracle's decode and prefill tiles, and a K-split prefill
     GemmTile(block_m=16, warps_k=4, slabs_per_warp=2, split_k=2),
     GemmTile(block_m=8, warps_k=4, slabs_per_warp=2, split_k=2, swap_ab=True),
+    GemmTile(block_m=64, warps_m=1, warps_n=4, warps_k=1, slabs_per_warp=4, stages=2, a_in_shared=True),
     GemmTile(block_m=64, warps_m=1, warps_n=4, warps_k=1, slabs_per_warp=2, stages=4, a_in_shared=True),
     GemmTile(block_m=128, warps_m=2, warps_n=4, warps_k=1, slabs_per_warp=2, stages=3, a_in_shared=True),
     GemmTile(block_m=64, warps_m=2, warps_n=4, warps_k=1, slabs_per_warp=2, stages=3, split_k=2, a_in_shared=True)])
