@@ -373,11 +373,9 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
 
     multiply_stage = functools.reduce(then, [slab_step(d) for d in range(depth)])
 
-    # Output indices are unsigned (no negative-index wraparound per store), and halves of
-    # adjacent columns leave as one word (`pair_stores`: `out` viewed as int32 pairs).
     @ptx.device
     def store(out, split, slot, col, value):
-        if col < uint32(size_n):
+        if col < size_n:
             if partial_output:
                 out[split, slot, col] = value
             else:
@@ -385,7 +383,8 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
 
     @ptx.device
     def store_pair(out, slot, col, first, second):
-        """Columns col (even) and col + 1 of one slot: one 4-byte store."""
+        """Halves of columns col (even) and col + 1 of one slot as one word (`pair_stores`:
+        `out` viewed as int32 pairs); unsigned indices, so no negative-index wraparound."""
         if col < uint32(size_n):
             out[slot, col // uint32(2)] = int32(pack2(first, second))
 
@@ -518,21 +517,20 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                         weight = multiplier
                         if mul_routed_weight:
                             weight *= topk_weights[slot]
-                        row, first_col = uint32(slot), uint32(chunk * CHUNK_N)
                         if swap_ab:
                             for j in range(acc_i):
                                 for h in range(2):
-                                    store(out, uint32(split), row, first_col + (16 * j + 8 * h + g),
-                                          acc[j, 0, 2 * h + r] * weight)
+                                    col = chunk * CHUNK_N + 16 * j + 8 * h + g
+                                    store(out, split, slot, col, acc[j, 0, 2 * h + r] * weight)
                         else:
                             for nt in range(8):
-                                col = first_col + (8 * nt + 2 * t)
+                                col = chunk * CHUNK_N + 8 * nt + 2 * t
                                 if pair_stores:
-                                    store_pair(out, row, col, acc[mt, nt, 2 * r] * weight,
+                                    store_pair(out, uint32(slot), uint32(col), acc[mt, nt, 2 * r] * weight,
                                                acc[mt, nt, 2 * r + 1] * weight)
                                 else:
                                     for c in range(2):
-                                        store(out, uint32(split), row, col + c, acc[mt, nt, 2 * r + c] * weight)
+                                        store(out, split, slot, col + c, acc[mt, nt, 2 * r + c] * weight)
 
         if finishes:
             finish(out, reduced, arrivals, topk_weights, slots, num_slots, block, cuda.blockIdx.y, tid)
