@@ -17,7 +17,7 @@ back to a heuristic:
   shared memory by a `cp.async` pipeline, warps of 64 rows x 64 features (every decoded
   weight fragment feeds four mma), four warps along N, 64 input features per stage in
   two buffers, a K split only where the grid would not fill the card (`split_to_fill`).
-  Since the main loop keeps two slabs' operands in registers (the eighth session), 64-
+  Since the main loop keeps two slabs' operands in registers (2026-11-24), 64-
   feature stages in two buffers beat 32-feature stages in four on the H200 at M = 1024
   and 4096 for w4a16 (Mixtral 8.64 against 9.14 ms for the two GEMMs at M = 4096): a
   barrier and a round of copies per 64 features instead of per 32, and 16-byte activation

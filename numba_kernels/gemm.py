@@ -339,7 +339,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     def slab_step(d: int):
         """Step d of a stage's slabs: load slab d + 1 into the free register slot (for the
         last step: wait for the next stage, then load its first slab), multiply slab d.
-        Built per d in Python and chained (`then`), so no loop is left for the compiler to
+        Built per d in Python and chained (`then`: same arguments), so no loop is left for the compiler to
         decide whether to unroll: it kept a 4-slab loop rolled for NVFP4, with the slots
         in local memory."""
         slot, free, last = d % 2, (d + 1) % 2, d + 1 == depth
@@ -362,12 +362,9 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
 
     def then(first, second):
         @ptx.device
-        def both(weights, expert, stage, own, read_chunk, chunk, lane, a_lane, a_tiles, w_tiles, buffer, after, raw,
-                 params, frag_slots, a_slots, acc):
-            first(weights, expert, stage, own, read_chunk, chunk, lane, a_lane, a_tiles, w_tiles, buffer, after, raw,
-                  params, frag_slots, a_slots, acc)
-            second(weights, expert, stage, own, read_chunk, chunk, lane, a_lane, a_tiles, w_tiles, buffer, after, raw,
-                   params, frag_slots, a_slots, acc)
+        def both(*args):
+            first(*args)
+            second(*args)
 
         return both
 
