@@ -37,6 +37,18 @@ those same words through shared memory (`staged_weights`). NVFP4's per-expert gl
 scale then moves to the epilogue (`output_scale`), so an e2m1 code times its e4m3 block
 scale is exact in the half type. Other scale layouts go through `column_params`, which
 reads the scales one by one when the group changes.
+
+`DeferredScales` (4-bit integer codes with lane-contiguous 16-bit scales): decode at
+few tokens per expert is bound by instruction issue as much as by memory, and half of
+a slab's dequantisation is applying the zero point and the scale. The reader can
+instead hand out the codes as the magic pairs ``M + q`` (one shift and one ``lop3``
+per register) and let the GEMM apply both per scale group, in float32::
+
+    sum_k (q - z) s a  =  s (sum_k (M + q) a  -  (M + z) sum_k a)
+
+where ``sum_k a`` comes from one more mma per slab (A = ones). Exact in real arithmetic;
+in floating point the weights are never rounded to the half type (closer to the
+float64 reference than dequantising first).
 """
 
 from __future__ import annotations
@@ -122,6 +134,25 @@ class FragmentReader:
     output_scale: object
     raw_words: int
     fast: bool
+    deferred: "DeferredScales | None" = None
+
+
+@attrs.frozen
+class DeferredScales:
+    """Zero point and scale applied per group to float32 accumulators (module docstring).
+
+    codes(raw, frags):      frags[16] = the slab's codes (`fetch`'s raw words) as half pairs M + q
+    scale(raw, column):     float32 scale of the lane's column (0..7) in the slab's group
+    offset(raw, column):    float32 M + zero point (M + bias without zero points)
+    one_pair:               the half pair (1, 1), the A operand that sums activations
+    group_slabs:            slabs per scale group (None: one group, channel-wise)
+    """
+
+    codes: object
+    scale: object
+    offset: object
+    one_pair: int
+    group_slabs: int | None
 
 
 @functools.cache
@@ -353,8 +384,34 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
             return global_multiplier(weights[5], e)
         return float32(1.0)
 
+    deferred = None
+    if bits == 4 and not fp4 and scale_words == 4:
+        half_to_f32 = ptx.half_to_f32(half)
+        fixed_offset = float32(magic_value + (spec.code.bias or 0))
+
+        @device
+        def codes(raw, frags):
+            for column in range(8):
+                for r in range(2):
+                    frags[2 * column + r] = and_or(uint32(raw[column // 2]) >> uint32(4 * (2 * (column % 2) + r)),
+                                                   uint32(0x000F000F), magic)
+
+        @device
+        def column_scale(raw, column):
+            return half_to_f32(uint32(raw[words_per_lane + column // 2]) >> uint32(16 * (column % 2)))
+
+        @device
+        def column_offset(raw, column):
+            if zero_words:
+                return magic_value + float32((uint32(raw[words_per_lane + scale_words]) >> uint32(zero_shifts[column]))
+                                             & uint32(0xF))
+            return fixed_offset
+
+        deferred = DeferredScales(codes, column_scale, column_offset, constants.one,
+                                  spec.group_size // SLAB_K if spec.group_size else None)
+
     return FragmentReader(_group_of_slab(spec) if not scale_words else _no_groups(), column_params, fetch, decode,
-                          output_scale, words_per_lane + scale_words + zero_words, True)
+                          output_scale, words_per_lane + scale_words + zero_words, True, deferred)
 
 
 @attrs.frozen

@@ -19,13 +19,17 @@ fetches its lane's weight words (`fragments`), turns them into 8 B fragments and
 double-buffered: `slabs_per_warp` slabs are in flight while the previous ones are used.
 With `swap_ab` (decode, blocks of 8 slots) the roles swap: each pair of n8 B fragments is
 exactly an A fragment of 16 features (registers reordered, no data moved), the block's
-8 slots are the B operand, and a slab costs 4 mma instead of 8.
+8 slots are the B operand, and a slab costs 4 mma instead of 8. Swapped tiles over 4-bit
+integer codes also defer the zero point and scale to once per scale group
+(`fragments.DeferredScales`): a slab's dequantisation is then a shift and a `lop3` per
+register, plus one mma that sums the activations.
 
 The operands come from one of two places, a tile option:
 
 * global memory (decode, `a_in_shared=False`): each lane loads its weight words and its
   few A words straight from global memory (activations are L1/L2-resident); no barrier
-  in the main loop, so every warp streams its weights independently;
+  in the main loop, so every warp streams its weights independently, a contiguous run of
+  its split's slabs (whole scale groups);
 * shared memory (prefill, `a_in_shared=True`): a `stages`-deep pipeline of `cp.async`
   copies brings each stage of `warps_k * slabs_per_warp` slabs into shared memory -- the
   block's activation rows (padded by 4 words so that `ldmatrix` rows hit 32 different
@@ -166,6 +170,14 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     slabs_per_split = -(-total_slabs // tile.split_k)
     if a_in_shared:  # splits start on stage boundaries
         slabs_per_split = -(-slabs_per_split // stage_slabs) * stage_slabs
+    warp_run = -(-slabs_per_split // warps_k)  # decode: each warp takes a contiguous run of its split's slabs
+    # Decode with swapped operands applies zero points and scales once per group (DeferredScales).
+    defers = swap_ab and reader.deferred is not None
+    deferred = reader.deferred if defers else None
+    codes, group_scale, group_offset = (deferred.codes, deferred.scale, deferred.offset) if defers else (None,) * 3
+    one_pair = uint32(deferred.one_pair if defers else 0)
+    group_slabs = uint32((deferred.group_slabs or total_slabs + 1) if defers else 1)
+    gacc_shape = (acc_i, acc_j, 4) if defers else (1, 1, 1)
     size_n, size_k = n, k
     n_chunks = -(-n // CHUNK_N)
     raw_words = reader.raw_words
@@ -251,10 +263,10 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
 
     @ptx.device
     def fetch_batch(act, weights, expert, first_slab, end_slab, chunk, lane, rows, raw, a_raw):
-        """Issue the loads of `depth` slabs (first_slab + d * warps_k): weight and A words."""
+        """Issue the loads of `depth` slabs (first_slab + d): weight and A words."""
         t = lane % 4
         for d in range(depth):
-            slab = first_slab + d * warps_k
+            slab = first_slab + d
             if slab < end_slab:
                 fetch(weights, expert, slab, chunk, lane, raw[d])
                 for mt in range(m_tiles):  # word w: row w % row_halves at k + 8 (w // row_halves)
@@ -263,12 +275,42 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                                                  w // row_halves)
 
     @ptx.device
-    def multiply_batch(weights, expert, first_slab, end_slab, chunk, lane, raw, a_raw, params, frags, group, acc):
+    def multiply_batch(weights, expert, first_slab, end_slab, chunk, lane, raw, a_raw, params, frags, group, acc,
+                       gacc, a_sum):
         for d in range(depth):
-            slab = first_slab + d * warps_k
+            slab = first_slab + d
             if slab < end_slab:
-                group = multiply_slab(weights, expert, slab, chunk, lane, raw[d], params, frags, group, a_raw[d], acc)
+                if defers:
+                    multiply_codes(raw[d], a_raw[d], frags, gacc, a_sum)
+                    if (uint32(slab) + uint32(1)) % group_slabs == 0 or slab + 1 == end_slab:
+                        fold_group(raw[d], acc, gacc, a_sum)  # the group's last slab in this run
+                else:
+                    group = multiply_slab(weights, expert, slab, chunk, lane, raw[d], params, frags, group, a_raw[d],
+                                          acc)
         return group
+
+    @ptx.device
+    def multiply_codes(raw, a_words, frags, gacc, a_sum):
+        """gacc += (M + q) @ B for one slab, and a_sum += the slab's activations summed
+        over k (an mma whose A is all ones: every row the same sums)."""
+        codes(raw, frags)
+        multiply(frags, a_words, gacc)
+        a_sum[0], a_sum[1], a_sum[2], a_sum[3] = mma(one_pair, one_pair, one_pair, one_pair, a_words[0, 0],
+                                                     a_words[0, 1], a_sum[0], a_sum[1], a_sum[2], a_sum[3])
+
+    @ptx.device
+    def fold_group(raw, acc, gacc, a_sum):
+        """acc += s (gacc - (M + z) a_sum) for the group whose scale words `raw` holds
+        (accumulator (j, 0, 2 h + r): feature 16 j + 8 h + g, the lane's column 2 j + h,
+        slot 2 t + r); then start the next group from zero."""
+        for j in range(acc_i):
+            for h in range(2):
+                scale, offset = group_scale(raw, 2 * j + h), group_offset(raw, 2 * j + h)
+                for r in range(2):
+                    acc[j, 0, 2 * h + r] += scale * (gacc[j, 0, 2 * h + r] - offset * a_sum[r])
+                    gacc[j, 0, 2 * h + r] = float32(0.0)
+        for c in range(4):
+            a_sum[c] = float32(0.0)
 
     # -- prefill: both operands staged through shared memory by a cp.async pipeline --------------
 
@@ -476,18 +518,26 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                         rows[mt, half_rows] = int64(row) * pairs_per_row + t if flat_a else row
                 a_raw_a = cuda.local.array((depth, m_tiles, 4), uint32)
                 a_raw_b = cuda.local.array((depth, m_tiles, 4), uint32)
-                step = warps_k * depth
-                slab_a = start_slab + wk
-                fetch_batch(act, weights, expert, slab_a, weight_end, chunk, lane, rows, raw_a, a_raw_a)
-                while slab_a < weight_end:
-                    slab_b = slab_a + step
-                    fetch_batch(act, weights, expert, slab_b, weight_end, chunk, lane, rows, raw_b, a_raw_b)
-                    group = multiply_batch(weights, expert, slab_a, weight_end, chunk, lane, raw_a, a_raw_a, params,
-                                           frags, group, acc)
-                    slab_a = slab_b + step
-                    fetch_batch(act, weights, expert, slab_a, weight_end, chunk, lane, rows, raw_a, a_raw_a)
-                    group = multiply_batch(weights, expert, slab_b, weight_end, chunk, lane, raw_b, a_raw_b, params,
-                                           frags, group, acc)
+                gacc = cuda.local.array(gacc_shape, float32)  # the current scale group's sums (defers)
+                a_sum = cuda.local.array(4, float32)
+                for i in range(gacc_shape[0]):
+                    for j in range(gacc_shape[1]):
+                        for c in range(gacc_shape[2]):
+                            gacc[i, j, c] = float32(0.0)
+                for c in range(4):
+                    a_sum[c] = float32(0.0)
+                slab_a = start_slab + wk * warp_run
+                own_end = min(slab_a + warp_run, weight_end)
+                fetch_batch(act, weights, expert, slab_a, own_end, chunk, lane, rows, raw_a, a_raw_a)
+                while slab_a < own_end:
+                    slab_b = slab_a + depth
+                    fetch_batch(act, weights, expert, slab_b, own_end, chunk, lane, rows, raw_b, a_raw_b)
+                    group = multiply_batch(weights, expert, slab_a, own_end, chunk, lane, raw_a, a_raw_a, params,
+                                           frags, group, acc, gacc, a_sum)
+                    slab_a = slab_b + depth
+                    fetch_batch(act, weights, expert, slab_a, own_end, chunk, lane, rows, raw_a, a_raw_a)
+                    group = multiply_batch(weights, expert, slab_b, own_end, chunk, lane, raw_b, a_raw_b, params,
+                                           frags, group, acc, gacc, a_sum)
 
         if warps_k > 1:
             partial = cuda.shared.array((reduce_warps, teams, reduce_values), float32)

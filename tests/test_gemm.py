@@ -10,7 +10,7 @@ from hypothesis import assume, given, settings, strategies as st
 from layouts import formats
 from layouts.strategies import random_quantized, spec_for
 from numba_kernels import interop
-from numba_kernels.fragments import fast_path_supported, lane_scales
+from numba_kernels.fragments import fast_path_supported, fragment_reader, lane_scales
 from numba_kernels.gemm import GemmTile, grouped_gemm, prefill_supported, reference_grouped_gemm
 from numba_kernels.weights import KernelWeights
 
@@ -172,6 +172,30 @@ def test_swapped_operands_give_the_same_products(spec, tile, tokens, top_k):
     a multiple of 64, K split over warps and CTAs."""
     half = torch.float16 if spec.scale_format.name == "float16" else torch.bfloat16
     assert_close(*run_case(spec, (2, 80, 256), tokens=tokens, top_k=top_k, tile=tile, half=half))
+
+
+@pytest.mark.parametrize("spec, tile", [
+    (formats.native(4, 64), SWAP),  # K = 192: warp 1's run of 6 slabs straddles groups 1 and 2
+    (formats.native(4, 64, zero_points=True, half="float16"), SWAP),
+    (formats.native(4, 128), GemmTile(block_m=8, warps_k=4, slabs_per_warp=1, swap_ab=True)),  # a short last group
+    (formats.native(4, 32), GemmTile(block_m=8, warps_k=1, slabs_per_warp=1, split_k=2, swap_ab=True)),
+])
+def test_deferred_scales_per_group_give_the_same_products(spec, tile):
+    """Swapped decode over 4-bit codes sums (M + q) a per scale group and applies zero
+    point and scale in float32 (`fragments.DeferredScales`): group sizes, zero points,
+    either half type, warp runs that straddle groups, a short last group, K splits."""
+    half = torch.float16 if spec.scale_format.name == "float16" else torch.bfloat16
+    assert fragment_reader(spec, 80, 192, interop.HALF_NAMES[half]).deferred is not None
+    assert_close(*run_case(spec, (2, 80, 192), tokens=3, top_k=2, tile=tile, half=half))
+
+
+@pytest.mark.parametrize("spec, deferred", [
+    (formats.native(4, 128), True), (formats.native(4, 32, zero_points=True), True),
+    (formats.native(fp4=True), False), (formats.native(8, 64, half="float16"), False), (formats.gptq(4, 32), False),
+])
+def test_scales_are_deferred_for_4_bit_integer_codes_with_lane_scales_only(spec, deferred):
+    half = spec.scale_format.name if spec.scale_format.name in ("float16", "bfloat16") else "bfloat16"
+    assert (fragment_reader(spec, 128, 256, half).deferred is not None) == deferred
 
 
 def test_int8_codes_in_bfloat16_take_the_float32_path():
