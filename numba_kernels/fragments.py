@@ -144,14 +144,12 @@ class DeferredScales:
     codes(raw, frags):      frags[16] = the slab's codes (`fetch`'s raw words) as half pairs M + q
     scale(raw, column):     float32 scale of the lane's column (0..7) in the slab's group
     offset(raw, column):    float32 M + zero point (M + bias without zero points)
-    one_pair:               the half pair (1, 1), the A operand that sums activations
     group_slabs:            slabs per scale group (None: one group, channel-wise)
     """
 
     codes: object
     scale: object
     offset: object
-    one_pair: int
     group_slabs: int | None
 
 
@@ -344,12 +342,15 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
         return fixed_offset_pair
 
     @device
+    def magic_pair(raw, column, r):
+        """The 4-bit codes of fragment register r of `column` as the half pair M + q."""
+        return and_or(uint32(raw[column // 2]) >> uint32(4 * (2 * (column % 2) + r)), uint32(0x000F000F), magic)
+
+    @device
     def int_pair(raw, column, r, scale_pair, offset_pair):
         """Fragment register r of `column` from integer codes: (q - zero) * scale."""
         if bits == 4:
-            magic_codes = and_or(uint32(raw[column // 2]) >> uint32(4 * (2 * (column % 2) + r)), uint32(0x000F000F),
-                                 magic)
-            return fma2(fma2(magic_codes, one, offset_pair), scale_pair, zero_pair)
+            return fma2(fma2(magic_pair(raw, column, r), one, offset_pair), scale_pair, zero_pair)
         codes = (uint32(raw[column]) >> uint32(8 * r)) & uint32(0x00FF00FF)
         if not float32_codes:
             return fma2(fma2(codes | magic, one, offset_pair), scale_pair, zero_pair)
@@ -393,8 +394,7 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
         def codes(raw, frags):
             for column in range(8):
                 for r in range(2):
-                    frags[2 * column + r] = and_or(uint32(raw[column // 2]) >> uint32(4 * (2 * (column % 2) + r)),
-                                                   uint32(0x000F000F), magic)
+                    frags[2 * column + r] = magic_pair(raw, column, r)
 
         @device
         def column_scale(raw, column):
@@ -407,7 +407,7 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
                                              & uint32(0xF))
             return fixed_offset
 
-        deferred = DeferredScales(codes, column_scale, column_offset, constants.one,
+        deferred = DeferredScales(codes, column_scale, column_offset,
                                   spec.group_size // SLAB_K if spec.group_size else None)
 
     return FragmentReader(_group_of_slab(spec) if not scale_words else _no_groups(), column_params, fetch, decode,

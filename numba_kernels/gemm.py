@@ -65,7 +65,7 @@ from . import interop, ptx
 from .launch import launch_kernel
 from .elements import logical_k
 from .epilogue import FusedActivation, FusedCombine, check_fused, make_finisher
-from .fragments import CHUNK_N, SLAB_K, fragment_reader, staged_weights, staging_supported
+from .fragments import CHUNK_N, HALF_CONSTANTS, SLAB_K, fragment_reader, staged_weights, staging_supported
 from .weights import KernelWeights
 
 
@@ -175,7 +175,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     defers = swap_ab and reader.deferred is not None
     deferred = reader.deferred if defers else None
     codes, group_scale, group_offset = (deferred.codes, deferred.scale, deferred.offset) if defers else (None,) * 3
-    one_pair = uint32(deferred.one_pair if defers else 0)
+    one_pair = uint32(HALF_CONSTANTS[half].one)  # the A operand of the mma that sums activations
     group_slabs = uint32((deferred.group_slabs or total_slabs + 1) if defers else 1)
     gacc_shape = (acc_i, acc_j, 4) if defers else (1, 1, 1)
     size_n, size_k = n, k
