@@ -27,6 +27,8 @@ FAMILIES = {  # the oracle's tiles and the variants they were measured against
     "decode-global": DECODE_TILE,
     "decode-swap": SWAPPED_DECODE_TILE,
     "decode-swap-k2": attrs.evolve(SWAPPED_DECODE_TILE, warps_k=2),
+    "decode-swap-d2": attrs.evolve(SWAPPED_DECODE_TILE, slabs_per_warp=2),
+    "decode-swap-k2d2": attrs.evolve(SWAPPED_DECODE_TILE, warps_k=2, slabs_per_warp=2),
     "decode-swap-d1": attrs.evolve(SWAPPED_DECODE_TILE, slabs_per_warp=1),
     "decode-swap-k8d1": attrs.evolve(SWAPPED_DECODE_TILE, warps_k=8, slabs_per_warp=1),
     "decode-staged-k4": attrs.evolve(DECODE_TILE, stages=4, a_in_shared=True),

@@ -6,13 +6,16 @@ of this device (`moe/tuned/<device>.json`, written by `python -m moe.tune`) and 
 back to a heuristic:
 
 * decode (few tokens per expert): operands straight from global memory, 4 warps splitting
-  K, 2 slabs per batch each (double buffered), and a K split across CTAs large enough
-  that the grid fills every multiprocessor twice. Up to 4 slots per expert the operands
-  are swapped (`GemmTile.swap_ab`: 16 weight rows x 8 slots per mma, blocks of 8 slots),
-  beyond that 16-slot blocks. On the H200 (2026-11-23, `benchmarks/sweep_tiles.py`) the
-  swap was 0.98x to 1.24x the speed of 16-slot blocks at M = 1 to 16 on the three
-  benchmark shapes, 2 slabs beat 4 and 8 (registers: more CTAs per multiprocessor hide
-  more latency), and shared-memory pipelines of 16-slot blocks were up to 2.7x slower;
+  K, batches of 2 slabs each (double buffered; 4 with swapped operands), and a K split
+  across CTAs large enough that the grid fills every multiprocessor twice. Up to 4 slots
+  per expert the operands are swapped (`GemmTile.swap_ab`: 16 weight rows x 8 slots per
+  mma, blocks of 8 slots), beyond that 16-slot blocks. On the H200 (2026-11-23,
+  `benchmarks/sweep_tiles.py`) the swap was 0.98x to 1.24x the speed of 16-slot blocks at
+  M = 1 to 16 on the three benchmark shapes, and shared-memory pipelines of 16-slot
+  blocks were up to 2.7x slower. Batches of 2 slabs beat 4 while dequantisation cost
+  more instructions (2026-11-23); since swapped tiles defer scales (2026-11-24), 4-slab
+  batches are faster in 17 of 18 sweep points (Mixtral w4a16 M = 1 gemm1 53.5 -> 47.5 us,
+  M = 4 118 -> 101 us; DeepSeek M = 1 gemm1 49 -> 43 us): more loads in flight;
 * prefill: blocks of 64 slots (32 up to 64 slots per expert), both operands staged in
   shared memory by a `cp.async` pipeline, warps of 64 rows x 64 features (every decoded
   weight fragment feeds four mma), four warps along N, 64 input features per stage in
@@ -101,7 +104,7 @@ def expected_blocks(config: MoEConfig, num_tokens: int, block_m: int) -> int:
 
 
 DECODE_TILE = GemmTile(block_m=16, warps_m=1, warps_n=1, warps_k=4, slabs_per_warp=2)
-SWAPPED_DECODE_TILE = GemmTile(block_m=8, warps_m=1, warps_n=1, warps_k=4, slabs_per_warp=2, swap_ab=True)
+SWAPPED_DECODE_TILE = GemmTile(block_m=8, warps_m=1, warps_n=1, warps_k=4, slabs_per_warp=4, swap_ab=True)
 
 
 def split_to_fill(tile: GemmTile, config: MoEConfig, num_tokens: int, n: int, k: int) -> GemmTile:
