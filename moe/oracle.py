@@ -14,7 +14,7 @@ back to a heuristic:
   M = 1 to 16 on the three benchmark shapes, and shared-memory pipelines of 16-slot
   blocks were up to 2.7x slower. Batches of 2 slabs beat 4 while dequantisation cost
   more instructions (2026-11-23); since swapped tiles defer scales (2026-11-24), 4-slab
-  batches are faster in 17 of 18 sweep points (Mixtral w4a16 M = 1 gemm1 53.5 -> 47.5 us,
+  batches are faster at 22 of 24 sweep points (Mixtral w4a16 M = 1 gemm1 53.5 -> 47.5 us,
   M = 4 118 -> 101 us; DeepSeek M = 1 gemm1 49 -> 43 us): more loads in flight;
 * prefill: blocks of 64 slots (32 up to 64 slots per expert), both operands staged in
   shared memory by a `cp.async` pipeline, warps of 64 rows x 64 features (every decoded
