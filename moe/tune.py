@@ -55,10 +55,9 @@ PREFILL_SHAPES = [  # (block_m, warps_m, warps_n, slabs_per_warp, stages): the b
 
 
 DECODE_FAMILIES = [  # (up to this many slots per expert, tile): each won some GEMMs on the H200 (BENCHMARKS.md)
-    (64, attrs.evolve(DECODE_TILE, warps_k=2)), (64, DECODE_TILE), (8, SWAPPED_DECODE_TILE),
-    (8, attrs.evolve(SWAPPED_DECODE_TILE, warps_k=2)), (8, attrs.evolve(SWAPPED_DECODE_TILE, slabs_per_warp=2)),
-    (8, attrs.evolve(SWAPPED_DECODE_TILE, warps_k=2, slabs_per_warp=2)),
-    (8, attrs.evolve(SWAPPED_DECODE_TILE, slabs_per_warp=1))]
+    (64, attrs.evolve(DECODE_TILE, warps_k=2)), (64, DECODE_TILE)] + [
+    (8, attrs.evolve(SWAPPED_DECODE_TILE, warps_k=warps_k, slabs_per_warp=slabs))  # swapped: warps along K x batch
+    for warps_k, slabs in ((4, 4), (2, 4), (4, 2), (2, 2), (4, 1))]
 
 
 def candidate_tiles(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTile]:
