@@ -35,7 +35,8 @@ eight scales with the weights (one 16- or 8-byte load) and builds the scale pair
 `decode`: no dependent load waits on a scale-group change, and the prefill GEMM stages
 those same words through shared memory (`staged_weights`). NVFP4's per-expert global
 scale then moves to the epilogue (`output_scale`), so an e2m1 code times its e4m3 block
-scale is exact in the half type. Other scale layouts go through `column_params`, which
+scale is exact in the half type; two columns' scales are converted together, and one
+multiply per register applies both the scale and the e2m1 bits' exponent bias. Other scale layouts go through `column_params`, which
 reads the scales one by one when the group changes.
 
 `DeferredScales` (4-bit integer codes with lane-contiguous 16-bit scales): decode at
@@ -80,14 +81,25 @@ class HalfConstants:
     int4_magic_value: float
     fp4_shift: int  # e2m1 magnitude bits -> half bits
     fp4_unbias_pair: int  # 2**126 (bfloat16) or 2**14 (float16): shifted e2m1 bits -> value
+    fp8_shift: int  # e4m3 magnitude bits -> half bits: 2**-120 (bfloat16) or 2**-8 (float16) times the value
+    # Shifted e4m3 bits -> the scale times 2**(FP4_DOWNSCALE + unbias of the e2m1 bits): one
+    # or two factors, each a representable half (bfloat16 2**120 * 2**119, float16 2**15).
+    fp4_scale_factors: tuple[int, ...]
 
 
 HALF_CONSTANTS = {
     "bfloat16": HalfConstants(one=0x3F803F80, int4_magic=0x43004300, int4_magic_value=128.0,
-                              fp4_shift=6, fp4_unbias_pair=0x7E807E80),
+                              fp4_shift=6, fp4_unbias_pair=0x7E807E80, fp8_shift=4,
+                              fp4_scale_factors=(0x7B807B80, 0x7B007B00)),
     "float16": HalfConstants(one=0x3C003C00, int4_magic=0x64006400, int4_magic_value=1024.0,
-                             fp4_shift=9, fp4_unbias_pair=0x74007400),
+                             fp4_shift=9, fp4_unbias_pair=0x74007400, fp8_shift=7,
+                             fp4_scale_factors=(0x78007800,)),
 }
+
+# NVFP4 with prefetched block scales: a fragment is the e2m1 value times its e4m3 scale
+# times 2**-FP4_DOWNSCALE, exact in either half type for every code and scale (at most
+# 21, at least 2**-17); the epilogue multiplies by 2**FP4_DOWNSCALE with the global scale.
+FP4_DOWNSCALE = 7
 
 
 def marlin_tile_bits(spec: QuantSpec) -> int | None:
@@ -254,6 +266,7 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
     fp4 = isinstance(spec.code, E2M1)
     constants = HALF_CONSTANTS[half]
     fma2, pack2 = ptx.fma2(half), ptx.pack2(half)
+    fma2_low, fma2_high = ptx.fma2_splat(half, 0), ptx.fma2_splat(half, 1)
     load4, load2, load1 = ptx.load_words[4], ptx.load_words[2], ptx.load_words[1]
     and_or, byte_perm = ptx.and_or, ptx.byte_perm
     read_scale, read_zero = scale_reader(spec, n, k), zero_reader(spec, n, k)
@@ -278,8 +291,11 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
     fixed_offset_pair = uint32(fixed_bits | fixed_bits << 16)
     # e4m3 magnitude bits shifted into a half's exponent and mantissa, then 2**(bias
     # difference): exact for every e4m3 value, subnormals included.
-    fp8_shift, fp8_unbias = (4, uint32(0x7B807B80)) if half == "bfloat16" else (7, uint32(0x5C005C00))
+    fp8_shift = constants.fp8_shift
     fp8_magnitude = uint32(0x7F007F << fp8_shift)
+    first_factor = uint32(constants.fp4_scale_factors[0])
+    second_factor = uint32(constants.fp4_scale_factors[-1])
+    two_factors = len(constants.fp4_scale_factors) == 2
 
     @device
     def column_params(weights, e, group, chunk, lane_id, params):
@@ -323,13 +339,8 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
 
     @device
     def lane_scale_pair(raw, column):
-        """The prefetched scale of `column` as a half pair."""
-        if scale_words == 2:  # the e4m3 byte on top of both halves: sign in place, magnitude shifted down
-            byte = column % 4
-            top = byte_perm(uint32(raw[words_per_lane + column // 4]), uint32(0), uint32(0x0404 + 0x1010 * byte))
-            bits = and_or(top, uint32(0x80008000), (top >> uint32(8 - fp8_shift)) & fp8_magnitude)
-            return fma2(bits, fp8_unbias, zero_pair)
-        half_index = column % 2  # 16-bit scale replicated into both halves
+        """The prefetched 16-bit scale of `column`, replicated into both halves."""
+        half_index = column % 2
         return byte_perm(uint32(raw[words_per_lane + column // 2]), uint32(0), uint32(0x1010 + 0x2222 * half_index))
 
     @device
@@ -358,15 +369,40 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
         return pack2((float32(codes & uint32(0xFFFF)) - zero) * scale, (float32(codes >> uint32(16)) - zero) * scale)
 
     @device
-    def fp4_pair(raw, column, r, scale_pair):
-        """Fragment register r of `column` from e2m1 codes: sign and magnitude bits moved
-        into a half's sign, exponent and top mantissa bit, then scaled back exactly."""
+    def fp4_bits(raw, column, r):
+        """The e2m1 codes of fragment register r of `column`, sign and magnitude bits moved
+        into a half's sign, exponent and top mantissa bit: the values times 2**-126
+        (bfloat16) or 2**-14 (float16)."""
         top = uint32(raw[column // 2]) << uint32(12 - 4 * (2 * (column % 2) + r))  # the code in bits 12-15
-        shifted = and_or(top, uint32(0x80008000), (top >> uint32(12 - fp4_shift)) & fp4_magnitude)
-        return fma2(fma2(shifted, unbias_pair, zero_pair), scale_pair, zero_pair)
+        return and_or(top, uint32(0x80008000), (top >> uint32(12 - fp4_shift)) & fp4_magnitude)
+
+    @device
+    def fp4_pair(raw, column, r, scale_pair):
+        """Fragment register r of `column` from e2m1 codes, scaled back exactly."""
+        return fma2(fma2(fp4_bits(raw, column, r), unbias_pair, zero_pair), scale_pair, zero_pair)
+
+    @device
+    def fp4_scales(raw, pair):
+        """The prefetched e4m3 scales of columns 2 pair and 2 pair + 1 as one half pair,
+        times 2**(e2m1 unbias - FP4_DOWNSCALE): one conversion for two columns."""
+        byte = 2 * (pair % 2)
+        top = byte_perm(uint32(raw[words_per_lane + pair // 2]), uint32(0),
+                        uint32(0x0404 + (byte << 4) + ((byte + 1) << 12)))  # the bytes on top of each half
+        bits = and_or(top, uint32(0x80008000), (top >> uint32(8 - fp8_shift)) & fp8_magnitude)
+        scales = fma2(bits, first_factor, zero_pair)
+        if two_factors:
+            scales = fma2(scales, second_factor, zero_pair)
+        return scales
 
     @device
     def decode(raw, params, weights, e, slab, chunk, lane_id, frags):
+        if fp4 and scale_words:  # e2m1 bits times (scale, scale) picked from the two columns' pair
+            for pair in range(4):
+                scales = fp4_scales(raw, pair)
+                for r in range(2):
+                    frags[4 * pair + r] = fma2_low(fp4_bits(raw, 2 * pair, r), scales, zero_pair)
+                    frags[4 * pair + 2 + r] = fma2_high(fp4_bits(raw, 2 * pair + 1, r), scales, zero_pair)
+            return
         for column in range(8):
             if scale_words:
                 scale_pair = lane_scale_pair(raw, column)
@@ -379,10 +415,12 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
                 else:
                     frags[2 * column + r] = int_pair(raw, column, r, scale_pair, offset_pair)
 
+    epilogue_factor = float32(2.0 ** FP4_DOWNSCALE if fp4 else 1.0)
+
     @device
     def output_scale(weights, e):
         if scale_words:
-            return global_multiplier(weights[5], e)
+            return global_multiplier(weights[5], e) * epilogue_factor
         return float32(1.0)
 
     deferred = None

@@ -8,6 +8,7 @@ helper                   PTX                                 used for
 =======================  ==================================  ==========================
 ``mma(a, b, c)``         mma.sync.m16n8k16 (bf16 or f16)     the GEMMs' inner product
 ``fma2(a, b, c)``        fma.rn.{bf16x2,f16x2}               dequantising two codes
+``fma2_splat(...)``      fma.rn, b's half in both lanes      one scale of a scale pair
 ``pack2(lo, hi)``        cvt.rn.{bf16x2,f16x2}.f32           float32 pair -> half pair
 ``and_or(a, m, b)``      lop3.b32 (a & m) | b                codes -> half bits, one op
 ``byte_perm(a, b, s)``   prmt.b32                            scale bytes -> half pairs
@@ -117,6 +118,18 @@ extern "C" __device__ int NAME(unsigned* d, unsigned a, unsigned b, unsigned c) 
 FMA2(numba_moe_fma_bf16x2, "bf16x2")
 FMA2(numba_moe_fma_f16x2, "f16x2")
 
+/* fma with one half of b in both lanes: ptxas folds the splat into HFMA2's operand swizzle. */
+#define FMA2_SPLAT(NAME, TYPE, PICK)                                                       \
+extern "C" __device__ int NAME(unsigned* d, unsigned a, unsigned b, unsigned c) {          \
+  asm("{ .reg .b16 l, h; .reg .b32 s; mov.b32 {l, h}, %2; mov.b32 s, " PICK "; "          \
+      "fma.rn." TYPE " %0, %1, s, %3; }" : "=r"(*d) : "r"(a), "r"(b), "r"(c));            \
+  return 0;                                                                                \
+}
+FMA2_SPLAT(numba_moe_fma_lo_bf16x2, "bf16x2", "{l, l}")
+FMA2_SPLAT(numba_moe_fma_hi_bf16x2, "bf16x2", "{h, h}")
+FMA2_SPLAT(numba_moe_fma_lo_f16x2, "f16x2", "{l, l}")
+FMA2_SPLAT(numba_moe_fma_hi_f16x2, "f16x2", "{h, h}")
+
 #define PACK2(NAME, TYPE)                                                                  \
 extern "C" __device__ int NAME(unsigned* d, float lo, float hi) {                          \
   asm("cvt.rn." TYPE ".f32 %0, %1, %2;" : "=r"(*d) : "f"(hi), "f"(lo));                    \
@@ -164,6 +177,8 @@ def _declared():
     names = {
         "mma_bf16": ("numba_moe_mma_bf16", mma_sig), "mma_f16": ("numba_moe_mma_f16", mma_sig),
         "fma_bf16": ("numba_moe_fma_bf16x2", fma_sig), "fma_f16": ("numba_moe_fma_f16x2", fma_sig),
+        **{f"fma_{pick}_{name}": (f"numba_moe_fma_{pick}_{name}x2", fma_sig)
+           for pick in ("lo", "hi") for name in ("bf16", "f16")},
         "pack_bf16": ("numba_moe_pack_bf16x2", pack_sig), "pack_f16": ("numba_moe_pack_f16x2", pack_sig),
         "to_bf16": ("numba_moe_to_bf16", uint32(float32)), "to_f16": ("numba_moe_to_f16", uint32(float32)),
         "f16_to_f32": ("numba_moe_f16_to_f32", float32(uint32)),
@@ -207,6 +222,19 @@ def _twin_fma2(half: str):
         return _pair(lo, hi)
 
     return fma2
+
+
+def _twin_fma2_splat(which: int):
+    def factory(half: str):
+        fma2 = _twin_fma2(half)
+
+        def fma2_splat(a, b, c):
+            picked = (int(b) >> (16 * which)) & 0xFFFF
+            return fma2(a, np.uint32(picked | picked << 16), c)
+
+        return fma2_splat
+
+    return factory
 
 
 def _twin_pack2(half: str):
@@ -555,6 +583,13 @@ def mma(half: str):
 def fma2(half: str):
     """Two half-precision fused multiply-adds on packed pairs, rounded to nearest even."""
     return _helper(half, _twin_fma2, "fma")
+
+
+@functools.cache
+def fma2_splat(half: str, which: int):
+    """fma2(a, (b's half `which`, the same), c): b's low (0) or high (1) half multiplies
+    both lanes, in the one instruction (HFMA2's operand swizzle)."""
+    return _helper(half, _twin_fma2_splat(which), ("fma_lo", "fma_hi")[which])
 
 
 @functools.cache

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import assume, given, settings, strategies as st
 
-from layouts import formats
+from layouts import Quantized, formats
 from layouts.strategies import random_quantized, spec_for
 from numba_kernels import interop
 from numba_kernels.fragments import fast_path_supported, fragment_reader, lane_scales
@@ -187,6 +187,27 @@ def test_deferred_scales_per_group_give_the_same_products(spec, tile):
     half = torch.float16 if spec.scale_format.name == "float16" else torch.bfloat16
     assert fragment_reader(spec, 80, 192, interop.HALF_NAMES[half]).deferred is not None
     assert_close(*run_case(spec, (2, 80, 192), tokens=3, top_k=2, tile=tile, half=half))
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_nvfp4_fragments_are_exact_for_every_code_and_the_extreme_block_scales(half):
+    """Every e2m1 code times e4m3 block scales from the smallest subnormal (2**-9) to the
+    largest (448), decoded as code * scale * 2**-7 and rescaled in the epilogue: one-hot
+    activations read each weight back, exactly (each fits the half type)."""
+    spec, n, k = formats.native(fp4=True), 64, 32
+    codes = (np.arange(n * k).reshape(1, n, k) * 7) % 16
+    e4m3 = np.array([2.0 ** -9, 7 * 2.0 ** -9, 2.0 ** -6, 0.5, 1.0, 1.875, 240.0, 448.0])
+    scales = e4m3[np.arange(n * k // 16).reshape(1, n, k // 16) % 8]
+    quantized = Quantized(codes, scales, global_scale=np.array([0.5], np.float32))
+    physical = spec.pack(quantized)
+    weights = KernelWeights.from_physical(spec, physical, (1, n, k))
+    dense = spec.dequantize(physical, (1, n, k))[0]
+    sorted_ids, expert_ids, padded = reference_alignment(np.zeros((k, 1), np.int32), 8, 1)
+    device = interop.kernel_device()
+    out = grouped_gemm(torch.eye(k, dtype=half).to(device), weights,
+                       *(torch.from_numpy(a).to(device) for a in (sorted_ids, expert_ids, padded)), num_slots=k,
+                       tile=GemmTile(block_m=8, warps_k=1, slabs_per_warp=2, swap_ab=True))
+    np.testing.assert_array_equal(out.float().cpu().numpy(), dense.T)
 
 
 @pytest.mark.parametrize("spec, deferred", [

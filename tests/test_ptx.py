@@ -63,11 +63,14 @@ def test_mma_is_a_times_b_plus_c_with_the_documented_fragments(half):
 @given(seed=st.integers(0, 2**31 - 1))
 def test_packed_half_helpers_round_to_nearest_even(half, seed):
     fma2, pack2, to_half, half_to_f32 = ptx.fma2(half), ptx.pack2(half), ptx.to_half(half), ptx.half_to_f32(half)
+    fma2_low, fma2_high = ptx.fma2_splat(half, 0), ptx.fma2_splat(half, 1)
 
     @ptx.kernel
-    def run(a, b, c, x, fma_out, pack_out, half_out, back_out):
+    def run(a, b, c, x, fma_out, splat_out, pack_out, half_out, back_out):
         i = cuda.threadIdx.x
         fma_out[i] = int32(fma2(uint32(a[i]), uint32(b[i]), uint32(c[i])))
+        splat_out[0, i] = int32(fma2_low(uint32(a[i]), uint32(b[i]), uint32(c[i])))
+        splat_out[1, i] = int32(fma2_high(uint32(a[i]), uint32(b[i]), uint32(c[i])))
         pack_out[i] = int32(pack2(x[i, 0], x[i, 1]))
         half_out[i] = int32(to_half(x[i, 0]))
         back_out[i] = half_to_f32(half_out[i])
@@ -77,7 +80,8 @@ def test_packed_half_helpers_round_to_nearest_even(half, seed):
     x = rng.uniform(-100, 100, (64, 2)).astype(np.float32)
     fma_out, pack_out, half_out = (np.zeros(64, np.int32) for _ in range(3))
     back_out = np.zeros(64, np.float32)
-    run[1, 64](a, b, c, x, fma_out, pack_out, half_out, back_out)
+    splat_out = np.zeros((2, 64), np.int32)
+    run[1, 64](a, b, c, x, fma_out, splat_out, pack_out, half_out, back_out)
 
     def split(words):
         words = np.asarray(words).view(np.uint32)
@@ -86,6 +90,9 @@ def test_packed_half_helpers_round_to_nearest_even(half, seed):
     (a_lo, a_hi), (b_lo, b_hi), (c_lo, c_hi) = split(a), split(b), split(c)
     expected_fma = _words(round_to_half_bits(a_lo * b_lo + c_lo, half), round_to_half_bits(a_hi * b_hi + c_hi, half))
     np.testing.assert_array_equal(fma_out, expected_fma)
+    for which, b_half in enumerate((b_lo, b_hi)):  # one half of b multiplies both lanes
+        expected = _words(round_to_half_bits(a_lo * b_half + c_lo, half), round_to_half_bits(a_hi * b_half + c_hi, half))
+        np.testing.assert_array_equal(splat_out[which], expected)
     np.testing.assert_array_equal(pack_out, _words(round_to_half_bits(x[:, 0], half), round_to_half_bits(x[:, 1], half)))
     np.testing.assert_array_equal(half_out, round_to_half_bits(x[:, 0], half).astype(np.int32))
     np.testing.assert_array_equal(back_out, _halves(round_to_half_bits(x[:, 0], half), half))
