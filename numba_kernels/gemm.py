@@ -261,61 +261,33 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
             return load_word(act, row + slab * (SLAB_K // 2) + 4 * r)
         return activation_pair(act, weights[4], expert, row, slab * SLAB_K + 2 * t + 8 * r)
 
-    def batch_steps(checked: bool):
-        """fetch_batch and multiply_batch of `depth` slabs from first_slab; `checked`: skip
-        the slabs at or past end_slab (a run's last batches), else every slab is in range
-        and short of the run's last (the steady state: no per-slab compare and branch)."""
+    @ptx.device
+    def fetch_batch(act, weights, expert, first_slab, end_slab, chunk, lane, rows, raw, a_raw):
+        """Issue the loads of `depth` slabs (first_slab + d): weight and A words."""
+        t = lane % 4
+        for d in range(depth):
+            slab = first_slab + d
+            if slab < end_slab:
+                fetch(weights, expert, slab, chunk, lane, raw[d])
+                for mt in range(m_tiles):  # word w: row w % row_halves at k + 8 (w // row_halves)
+                    for w in range(2 * row_halves):  # A: a0..a3; swapped B: b0, b1 of slot g
+                        a_raw[d, mt, w] = a_word(act, weights, expert, rows[mt, w % row_halves], slab, t,
+                                                 w // row_halves)
 
-        @ptx.device
-        def fetch_batch(act, weights, expert, first_slab, end_slab, chunk, lane, rows, raw, a_raw):
-            """Issue the loads of `depth` slabs (first_slab + d): weight and A words."""
-            t = lane % 4
-            for d in range(depth):
-                slab = first_slab + d
-                if not checked or slab < end_slab:
-                    fetch(weights, expert, slab, chunk, lane, raw[d])
-                    for mt in range(m_tiles):  # word w: row w % row_halves at k + 8 (w // row_halves)
-                        for w in range(2 * row_halves):  # A: a0..a3; swapped B: b0, b1 of slot g
-                            a_raw[d, mt, w] = a_word(act, weights, expert, rows[mt, w % row_halves], slab, t,
-                                                     w // row_halves)
-
-        @ptx.device
-        def multiply_batch(weights, expert, first_slab, end_slab, chunk, lane, raw, a_raw, params, frags, group, acc,
-                           gacc, a_sum):
-            for d in range(depth):
-                slab = first_slab + d
-                if not checked or slab < end_slab:
-                    if defers:
-                        multiply_codes(raw[d], a_raw[d], frags, gacc, a_sum)
-                        if (uint32(slab) + uint32(1)) % group_slabs == 0 or (checked and slab + 1 == end_slab):
-                            fold_group(raw[d], acc, gacc, a_sum)  # the group's last slab in this run
-                    else:
-                        group = multiply_slab(weights, expert, slab, chunk, lane, raw[d], params, frags, group,
-                                              a_raw[d], acc)
-            return group
-
-        @ptx.device
-        def two_batches(act, weights, expert, slab_a, end_slab, chunk, lane, rows, raw_a, a_raw_a, raw_b, a_raw_b,
-                        params, frags, group, acc, gacc, a_sum):
-            """Multiply the loaded batch at slab_a while the next one loads, then that one
-            while the batch after it loads (into a's registers); returns its slab and the group."""
-            slab_b = slab_a + depth
-            fetch_batch(act, weights, expert, slab_b, end_slab, chunk, lane, rows, raw_b, a_raw_b)
-            group = multiply_batch(weights, expert, slab_a, end_slab, chunk, lane, raw_a, a_raw_a, params, frags,
-                                   group, acc, gacc, a_sum)
-            slab_a = slab_b + depth
-            fetch_batch(act, weights, expert, slab_a, end_slab, chunk, lane, rows, raw_a, a_raw_a)
-            group = multiply_batch(weights, expert, slab_b, end_slab, chunk, lane, raw_b, a_raw_b, params, frags,
-                                   group, acc, gacc, a_sum)
-            return slab_a, group
-
-        return fetch_batch, two_batches
-
-    (fetch_batch, two_batches), (_, two_whole_batches) = batch_steps(True), batch_steps(False)
-    # Unchecked whole batches cut a slab's instructions by about a tenth where dequantisation
-    # is issue-bound (NVFP4: 134 -> 119); deferred 4-bit codes are not, and there the
-    # compiler's longer load ranges would take 168 registers instead of 128.
-    steady_batches = not defers
+    @ptx.device
+    def multiply_batch(weights, expert, first_slab, end_slab, chunk, lane, raw, a_raw, params, frags, group, acc,
+                       gacc, a_sum):
+        for d in range(depth):
+            slab = first_slab + d
+            if slab < end_slab:
+                if defers:
+                    multiply_codes(raw[d], a_raw[d], frags, gacc, a_sum)
+                    if (uint32(slab) + uint32(1)) % group_slabs == 0 or slab + 1 == end_slab:
+                        fold_group(raw[d], acc, gacc, a_sum)  # the group's last slab in this run
+                else:
+                    group = multiply_slab(weights, expert, slab, chunk, lane, raw[d], params, frags, group, a_raw[d],
+                                          acc)
+        return group
 
     @ptx.device
     def multiply_codes(raw, a_words, frags, gacc, a_sum):
@@ -557,14 +529,15 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                 slab_a = start_slab + wk * warp_run
                 own_end = min(slab_a + warp_run, weight_end)
                 fetch_batch(act, weights, expert, slab_a, own_end, chunk, lane, rows, raw_a, a_raw_a)
-                if steady_batches:  # while both batches and the next are whole: no per-slab checks
-                    while slab_a + 3 * depth <= own_end:
-                        slab_a, group = two_whole_batches(act, weights, expert, slab_a, own_end, chunk, lane, rows,
-                                                          raw_a, a_raw_a, raw_b, a_raw_b, params, frags, group, acc,
-                                                          gacc, a_sum)
                 while slab_a < own_end:
-                    slab_a, group = two_batches(act, weights, expert, slab_a, own_end, chunk, lane, rows, raw_a,
-                                                a_raw_a, raw_b, a_raw_b, params, frags, group, acc, gacc, a_sum)
+                    slab_b = slab_a + depth
+                    fetch_batch(act, weights, expert, slab_b, own_end, chunk, lane, rows, raw_b, a_raw_b)
+                    group = multiply_batch(weights, expert, slab_a, own_end, chunk, lane, raw_a, a_raw_a, params,
+                                           frags, group, acc, gacc, a_sum)
+                    slab_a = slab_b + depth
+                    fetch_batch(act, weights, expert, slab_a, own_end, chunk, lane, rows, raw_a, a_raw_a)
+                    group = multiply_batch(weights, expert, slab_b, own_end, chunk, lane, raw_b, a_raw_b, params,
+                                           frags, group, acc, gacc, a_sum)
 
         if warps_k > 1:
             partial = cuda.shared.array((reduce_warps, teams, reduce_values), float32)
