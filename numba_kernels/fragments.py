@@ -36,8 +36,9 @@ eight scales with the weights (one 16- or 8-byte load) and builds the scale pair
 those same words through shared memory (`staged_weights`). NVFP4's per-expert global
 scale then moves to the epilogue (`output_scale`), so an e2m1 code times its e4m3 block
 scale is exact in the half type; two columns' scales are converted together, and one
-multiply per register applies both the scale and the e2m1 bits' exponent bias. Other scale layouts go through `column_params`, which
-reads the scales one by one when the group changes.
+multiply per register applies both the scale and the e2m1 bits' exponent bias. Other
+scale layouts go through `column_params`, which reads the scales one by one when the
+group changes.
 
 `DeferredScales` (4-bit integer codes with lane-contiguous 16-bit scales): decode at
 few tokens per expert is bound by instruction issue as much as by memory, and half of
@@ -289,8 +290,8 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
     magic_bits = uint32(constants.int4_magic & 0xFFFF)
     fixed_bits = int(ptx.round_to_half_bits(np.float64(-(constants.int4_magic_value + (spec.code.bias or 0))), half))
     fixed_offset_pair = uint32(fixed_bits | fixed_bits << 16)
-    # e4m3 magnitude bits shifted into a half's exponent and mantissa, then 2**(bias
-    # difference): exact for every e4m3 value, subnormals included.
+    # e4m3 magnitude bits shifted into a half's exponent and mantissa, then multiplied by
+    # powers of two (`fp4_scales`): exact for every e4m3 value, subnormals included.
     fp8_shift = constants.fp8_shift
     fp8_magnitude = uint32(0x7F007F << fp8_shift)
     first_factor = uint32(constants.fp4_scale_factors[0])
@@ -406,7 +407,7 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
         for column in range(8):
             if scale_words:
                 scale_pair = lane_scale_pair(raw, column)
-                offset_pair = lane_offset_pair(raw, column) if not fp4 else zero_pair
+                offset_pair = lane_offset_pair(raw, column)  # integer codes: fp4 returned above
             else:
                 scale_pair, offset_pair = params[2 * column], params[2 * column + 1]
             for r in range(2):
