@@ -83,18 +83,19 @@ class HalfConstants:
     fp4_shift: int  # e2m1 magnitude bits -> half bits
     fp4_unbias_pair: int  # 2**126 (bfloat16) or 2**14 (float16): shifted e2m1 bits -> value
     fp8_shift: int  # e4m3 magnitude bits -> half bits: 2**-120 (bfloat16) or 2**-8 (float16) times the value
-    # Shifted e4m3 bits -> the scale times 2**(FP4_DOWNSCALE + unbias of the e2m1 bits): one
-    # or two factors, each a representable half (bfloat16 2**120 * 2**119, float16 2**15).
-    fp4_scale_factors: tuple[int, ...]
+    # Shifted e4m3 bits -> the scale times 2**(e2m1 unbias - FP4_DOWNSCALE): powers of two
+    # whose exponents sum to e4m3 unbias + e2m1 unbias - FP4_DOWNSCALE, each a half value
+    # (bfloat16 120 + 126 - 7 = 120 + 119, float16 8 + 14 - 7 = 15).
+    fp4_scale_exponents: tuple[int, ...]
 
 
 HALF_CONSTANTS = {
     "bfloat16": HalfConstants(one=0x3F803F80, int4_magic=0x43004300, int4_magic_value=128.0,
                               fp4_shift=6, fp4_unbias_pair=0x7E807E80, fp8_shift=4,
-                              fp4_scale_factors=(0x7B807B80, 0x7B007B00)),
+                              fp4_scale_exponents=(120, 119)),
     "float16": HalfConstants(one=0x3C003C00, int4_magic=0x64006400, int4_magic_value=1024.0,
                              fp4_shift=9, fp4_unbias_pair=0x74007400, fp8_shift=7,
-                             fp4_scale_factors=(0x78007800,)),
+                             fp4_scale_exponents=(15,)),
 }
 
 # NVFP4 with prefetched block scales: a fragment is the e2m1 value times its e4m3 scale
@@ -294,9 +295,8 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
     # powers of two (`fp4_scales`): exact for every e4m3 value, subnormals included.
     fp8_shift = constants.fp8_shift
     fp8_magnitude = uint32(0x7F007F << fp8_shift)
-    first_factor = uint32(constants.fp4_scale_factors[0])
-    second_factor = uint32(constants.fp4_scale_factors[-1])
-    two_factors = len(constants.fp4_scale_factors) == 2
+    scale_factors = tuple(uint32(int(ptx.round_to_half_bits(np.float64(2.0 ** exponent), half)) * 0x10001)
+                          for exponent in constants.fp4_scale_exponents)  # as half pairs
 
     @device
     def column_params(weights, e, group, chunk, lane_id, params):
@@ -390,10 +390,9 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
         top = byte_perm(uint32(raw[words_per_lane + pair // 2]), uint32(0),
                         uint32(0x0404 + (byte << 4) + ((byte + 1) << 12)))  # the bytes on top of each half
         bits = and_or(top, uint32(0x80008000), (top >> uint32(8 - fp8_shift)) & fp8_magnitude)
-        scales = fma2(bits, first_factor, zero_pair)
-        if two_factors:
-            scales = fma2(scales, second_factor, zero_pair)
-        return scales
+        for factor in scale_factors:
+            bits = fma2(bits, factor, zero_pair)
+        return bits
 
     @device
     def decode(raw, params, weights, e, slab, chunk, lane_id, frags):
