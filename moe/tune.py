@@ -12,8 +12,8 @@ routings (3 by default): with a few slots per expert one draw can rank two tiles
 other way round from the next (on the H200 one draw picked a Mixtral M = 16 gemm2 tile
 that the benchmark's own draw timed 1.36x slower). The candidates are the oracle's own
 families (`candidate_tiles`): decode tiles (16-slot blocks, or 8-slot blocks with
-swapped operands, those also with the reduction fused into the GEMM; operands straight
-from global memory, K split over warps and CTAs)
+swapped operands, those also with the reduction fused into the GEMM or an unchecked
+steady loop; operands straight from global memory, K split over warps and CTAs)
 and prefill tiles (32 to 128-row blocks staged in shared memory); a tile that the layout
 or the shared memory cannot take is skipped. Weights are random bits in the kernel
 layout: timing does not depend on their values.
@@ -56,8 +56,9 @@ PREFILL_SHAPES = [  # (block_m, warps_m, warps_n, slabs_per_warp, stages): the b
 
 DECODE_FAMILIES = [  # (up to this many slots per expert, tile): each won some GEMMs on the H200 (BENCHMARKS.md)
     (64, attrs.evolve(DECODE_TILE, warps_k=2)), (64, DECODE_TILE)] + [
-    (8, attrs.evolve(SWAPPED_DECODE_TILE, warps_k=warps_k, slabs_per_warp=slabs))  # swapped: warps along K x batch
-    for warps_k, slabs in ((4, 4), (2, 4), (4, 2), (2, 2), (4, 1))]
+    (8, attrs.evolve(SWAPPED_DECODE_TILE, warps_k=warps_k, slabs_per_warp=slabs, steady_loop=steady))
+    for warps_k, slabs, steady in (  # swapped: warps along K, slabs per batch, unchecked steady loop
+        (4, 4, False), (2, 4, False), (4, 2, False), (2, 2, False), (4, 1, False), (4, 4, True), (4, 2, True))]
 
 
 def candidate_tiles(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTile]:
@@ -232,10 +233,9 @@ def main(argv=None) -> None:
         if args.verbose:
             print(f"M={tokens} {stage} {'skipped' if ms is None else f'{ms:.4f} ms'} {tile}", flush=True)
 
-    backends = tune(config, args.tokens, report=report, routings=args.routings)
-    for tokens, backend in backends.items():
-        print(f"M={tokens}: {backend}")
-    print(f"saved to {save(config, backends)}")
+    for tokens in args.tokens:  # saved one count at a time: an interrupted run keeps what it measured
+        backends = tune(config, [tokens], report=report, routings=args.routings)
+        print(f"M={tokens}: {backends[tokens]}\nsaved to {save(config, backends)}", flush=True)
 
 
 if __name__ == "__main__":

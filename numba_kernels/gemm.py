@@ -94,6 +94,9 @@ class GemmTile:
     fused_reduction: the layer runs this GEMM with `then=` (`epilogue`): it finishes the
                     activation or the combine itself, one kernel fewer but a longer tail
                     per CTA (the tuner picks it where that wins; decode tiles only).
+    steady_loop:    decode: while whole batches remain, run a copy of the main loop without
+                    the per-slab range checks (fewer instructions per slab where
+                    dequantisation is issue-bound, but more code and registers).
     """
 
     block_m: int = attrs.field(default=16, validator=_positive_power_of_two)
@@ -107,10 +110,11 @@ class GemmTile:
                                                                           attrs.validators.le(8)))
     swap_ab: bool = False
     fused_reduction: bool = False
+    steady_loop: bool = False
 
     def __attrs_post_init__(self):
-        if self.fused_reduction and self.a_in_shared:
-            raise ValueError(f"fused_reduction is for decode tiles (no a_in_shared), got {self}")
+        if (self.fused_reduction or self.steady_loop) and self.a_in_shared:
+            raise ValueError(f"fused_reduction and steady_loop are for decode tiles (no a_in_shared), got {self}")
         if self.swap_ab:
             if self.block_m != 8 or self.warps_m != 1 or self.a_in_shared:
                 raise ValueError(f"swap_ab takes blocks of 8 slots, warps_m = 1 and no a_in_shared, got {self}")
@@ -261,33 +265,58 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
             return load_word(act, row + slab * (SLAB_K // 2) + 4 * r)
         return activation_pair(act, weights[4], expert, row, slab * SLAB_K + 2 * t + 8 * r)
 
-    @ptx.device
-    def fetch_batch(act, weights, expert, first_slab, end_slab, chunk, lane, rows, raw, a_raw):
-        """Issue the loads of `depth` slabs (first_slab + d): weight and A words."""
-        t = lane % 4
-        for d in range(depth):
-            slab = first_slab + d
-            if slab < end_slab:
-                fetch(weights, expert, slab, chunk, lane, raw[d])
-                for mt in range(m_tiles):  # word w: row w % row_halves at k + 8 (w // row_halves)
-                    for w in range(2 * row_halves):  # A: a0..a3; swapped B: b0, b1 of slot g
-                        a_raw[d, mt, w] = a_word(act, weights, expert, rows[mt, w % row_halves], slab, t,
-                                                 w // row_halves)
+    def batch_steps(checked: bool):
+        """fetch_batch and two_batches for `depth` slabs per batch; `checked`: skip the
+        slabs at or past end_slab (a run's last batches), else every slab is in range and
+        short of the run's last (`GemmTile.steady_loop`: no per-slab compare and branch)."""
 
-    @ptx.device
-    def multiply_batch(weights, expert, first_slab, end_slab, chunk, lane, raw, a_raw, params, frags, group, acc,
-                       gacc, a_sum):
-        for d in range(depth):
-            slab = first_slab + d
-            if slab < end_slab:
-                if defers:
-                    multiply_codes(raw[d], a_raw[d], frags, gacc, a_sum)
-                    if (uint32(slab) + uint32(1)) % group_slabs == 0 or slab + 1 == end_slab:
-                        fold_group(raw[d], acc, gacc, a_sum)  # the group's last slab in this run
-                else:
-                    group = multiply_slab(weights, expert, slab, chunk, lane, raw[d], params, frags, group, a_raw[d],
-                                          acc)
-        return group
+        @ptx.device
+        def fetch_batch(act, weights, expert, first_slab, end_slab, chunk, lane, rows, raw, a_raw):
+            """Issue the loads of `depth` slabs (first_slab + d): weight and A words."""
+            t = lane % 4
+            for d in range(depth):
+                slab = first_slab + d
+                if not checked or slab < end_slab:
+                    fetch(weights, expert, slab, chunk, lane, raw[d])
+                    for mt in range(m_tiles):  # word w: row w % row_halves at k + 8 (w // row_halves)
+                        for w in range(2 * row_halves):  # A: a0..a3; swapped B: b0, b1 of slot g
+                            a_raw[d, mt, w] = a_word(act, weights, expert, rows[mt, w % row_halves], slab, t,
+                                                     w // row_halves)
+
+        @ptx.device
+        def multiply_batch(weights, expert, first_slab, end_slab, chunk, lane, raw, a_raw, params, frags, group, acc,
+                           gacc, a_sum):
+            for d in range(depth):
+                slab = first_slab + d
+                if not checked or slab < end_slab:
+                    if defers:
+                        multiply_codes(raw[d], a_raw[d], frags, gacc, a_sum)
+                        if (uint32(slab) + uint32(1)) % group_slabs == 0 or (checked and slab + 1 == end_slab):
+                            fold_group(raw[d], acc, gacc, a_sum)  # the group's last slab in this run
+                    else:
+                        group = multiply_slab(weights, expert, slab, chunk, lane, raw[d], params, frags, group,
+                                              a_raw[d], acc)
+            return group
+
+        @ptx.device
+        def two_batches(act, weights, expert, slab_a, end_slab, chunk, lane, rows, raw_a, a_raw_a, raw_b, a_raw_b,
+                        params, frags, group, acc, gacc, a_sum):
+            """Multiply the loaded batch at slab_a while the next one loads, then that one
+            while the batch after it loads (into a's registers); returns its slab and the group."""
+            slab_b = slab_a + depth
+            fetch_batch(act, weights, expert, slab_b, end_slab, chunk, lane, rows, raw_b, a_raw_b)
+            group = multiply_batch(weights, expert, slab_a, end_slab, chunk, lane, raw_a, a_raw_a, params, frags,
+                                   group, acc, gacc, a_sum)
+            slab_a = slab_b + depth
+            fetch_batch(act, weights, expert, slab_a, end_slab, chunk, lane, rows, raw_a, a_raw_a)
+            group = multiply_batch(weights, expert, slab_b, end_slab, chunk, lane, raw_b, a_raw_b, params, frags,
+                                   group, acc, gacc, a_sum)
+            return slab_a, group
+
+        return fetch_batch, two_batches
+
+    (fetch_batch, two_batches), (_, two_whole_batches) = batch_steps(True), batch_steps(False)
+    steady_loop = tile.steady_loop
 
     @ptx.device
     def multiply_codes(raw, a_words, frags, gacc, a_sum):
@@ -529,15 +558,14 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                 slab_a = start_slab + wk * warp_run
                 own_end = min(slab_a + warp_run, weight_end)
                 fetch_batch(act, weights, expert, slab_a, own_end, chunk, lane, rows, raw_a, a_raw_a)
+                if steady_loop:  # while both batches and the next are whole: no per-slab checks
+                    while slab_a + 3 * depth <= own_end:
+                        slab_a, group = two_whole_batches(act, weights, expert, slab_a, own_end, chunk, lane, rows,
+                                                          raw_a, a_raw_a, raw_b, a_raw_b, params, frags, group, acc,
+                                                          gacc, a_sum)
                 while slab_a < own_end:
-                    slab_b = slab_a + depth
-                    fetch_batch(act, weights, expert, slab_b, own_end, chunk, lane, rows, raw_b, a_raw_b)
-                    group = multiply_batch(weights, expert, slab_a, own_end, chunk, lane, raw_a, a_raw_a, params,
-                                           frags, group, acc, gacc, a_sum)
-                    slab_a = slab_b + depth
-                    fetch_batch(act, weights, expert, slab_a, own_end, chunk, lane, rows, raw_a, a_raw_a)
-                    group = multiply_batch(weights, expert, slab_b, own_end, chunk, lane, raw_b, a_raw_b, params,
-                                           frags, group, acc, gacc, a_sum)
+                    slab_a, group = two_batches(act, weights, expert, slab_a, own_end, chunk, lane, rows, raw_a,
+                                                a_raw_a, raw_b, a_raw_b, params, frags, group, acc, gacc, a_sum)
 
         if warps_k > 1:
             partial = cuda.shared.array((reduce_warps, teams, reduce_values), float32)

@@ -189,6 +189,19 @@ def test_deferred_scales_per_group_give_the_same_products(spec, tile):
     assert_close(*run_case(spec, (2, 80, 192), tokens=3, top_k=2, tile=tile, half=half))
 
 
+@pytest.mark.parametrize("spec, tile", [
+    (formats.native(fp4=True), GemmTile(block_m=8, warps_k=1, slabs_per_warp=2, swap_ab=True, steady_loop=True)),
+    (formats.native(4, 64), GemmTile(block_m=8, warps_k=1, slabs_per_warp=2, swap_ab=True, steady_loop=True)),
+    (formats.native(4, 32, zero_points=True), GemmTile(block_m=16, warps_k=2, slabs_per_warp=1, steady_loop=True)),
+])
+def test_steady_loop_without_range_checks_gives_the_same_products(spec, tile):
+    """K = 192 is 12 slabs: a warp's run enters the unchecked loop for whole batches and
+    finishes in the checked one (2 slabs per batch: slabs 0-7 unchecked, 8-11 checked);
+    deferred scale groups (64) fold in both."""
+    half = torch.float16 if spec.scale_format.name == "float16" else torch.bfloat16
+    assert_close(*run_case(spec, (2, 80, 192), tokens=3, top_k=2, tile=tile, half=half))
+
+
 @pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
 def test_nvfp4_fragments_are_exact_for_every_code_and_the_extreme_block_scales(half):
     """Every e2m1 code times e4m3 block scales from the smallest subnormal (2**-9) to the
@@ -306,15 +319,18 @@ def test_tile_parameters_are_validated():
         GemmTile(block_m=16, swap_ab=True)
     with pytest.raises(ValueError, match="swap_ab takes blocks of 8"):
         GemmTile(block_m=8, a_in_shared=True, swap_ab=True)
+    with pytest.raises(ValueError, match="for decode tiles"):
+        GemmTile(block_m=16, a_in_shared=True, steady_loop=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name, shape, top_k, tokens", [
     ("qwen3_gemm1", (16, 1536, 2048), 8, 16), ("qwen3_gemm2", (16, 2048, 768), 8, 64),
 ])
-@pytest.mark.parametrize("tile", [  # the oracle's decode and prefill tiles, and a K-split prefill
+@pytest.mark.parametrize("tile", [  # the oracle's decode and prefill tiles, a K-split prefill, the options
     GemmTile(block_m=16, warps_k=4, slabs_per_warp=2, split_k=2),
     GemmTile(block_m=8, warps_k=4, slabs_per_warp=2, split_k=2, swap_ab=True),
+    GemmTile(block_m=8, warps_k=4, slabs_per_warp=4, swap_ab=True, steady_loop=True),
     GemmTile(block_m=64, warps_m=1, warps_n=4, warps_k=1, slabs_per_warp=4, stages=2, a_in_shared=True),
     GemmTile(block_m=64, warps_m=1, warps_n=4, warps_k=1, slabs_per_warp=2, stages=4, a_in_shared=True),
     GemmTile(block_m=128, warps_m=2, warps_n=4, warps_k=1, slabs_per_warp=2, stages=3, a_in_shared=True),

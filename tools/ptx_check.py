@@ -44,10 +44,11 @@ class Compiled(types.SimpleNamespace):
 
 
 def compile_kernel(kernel, *example_args, lto: bool = True) -> Compiled:
-    """Compile `kernel` (a `ptx.kernel` / `cuda.jit` dispatcher) for the argument types of
-    `example_args`; raise on typing or lowering errors."""
+    """Compile `kernel` (a `ptx.kernel` / `cuda.jit` dispatcher, with its launch bounds)
+    for the argument types of `example_args`; raise on typing or lowering errors."""
     argtypes = tuple(numba.typeof(a) for a in example_args)
-    compiled = _dispatcher._Kernel(kernel.py_func, argtypes, lto=lto)
+    launch_bounds = kernel.targetoptions.get("launch_bounds")
+    compiled = _dispatcher._Kernel(kernel.py_func, argtypes, lto=lto, launch_bounds=launch_bounds)
     library = compiled._codelibrary
     ptx = library.get_lto_ptx(cc=CC) if lto else library.get_asm_str(cc=CC)
     ptx = ptx.rstrip("\x00") + "\n"
