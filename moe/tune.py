@@ -41,8 +41,8 @@ from numba_kernels.fragments import SLAB_K
 from numba_kernels.gemm import GemmTile, grouped_gemm
 
 from .config import MoEConfig, QuantScheme
-from .oracle import (DECODE_TILE, SWAPPED_DECODE_TILE, TUNED_DIR, Backend, backend_to_dict, device_name, shape_key,
-                     tuned_table)
+from .oracle import (DECODE_TILE, SWAPPED_DECODE_TILE, TUNED_DIR, Backend, backend_to_dict, device_name,
+                     select_backend, shape_key, tuned_table)
 from .runner import fused_activation, fused_combine
 from .weights import ExpertWeights, kernel_spec
 from .workspace import arrivals_elements, gemm_out_elements, gemm_view
@@ -78,6 +78,23 @@ def candidate_tiles(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTile
         for block_m, warps_m, warps_n, depth, stages in PREFILL_SHAPES:
             tiles.append(GemmTile(block_m=block_m, warps_m=warps_m, warps_n=warps_n, warps_k=1, slabs_per_warp=depth,
                                   stages=stages, a_in_shared=True))
+    return tiles
+
+
+def refine_candidates(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTile]:
+    """Candidates for `--refine`: the tile the oracle now picks (tuned or heuristic) for the
+    GEMM of reduction length `k` and, if it is a decode tile, that tile with each boolean
+    option flipped (steady_loop; fused_reduction when swapped): minutes instead of a full
+    tuning's tens of minutes, to re-check saved entries after a kernel gains an option."""
+    backend = select_backend(config, num_tokens, kernel_spec(config))
+    tiles = []
+    for tile, tile_k in ((backend.gemm1, config.hidden_size), (backend.gemm2, config.intermediate_size)):
+        if tile_k == k:
+            tiles.append(tile)
+            if not tile.a_in_shared:
+                tiles.append(attrs.evolve(tile, steady_loop=not tile.steady_loop))
+            if tile.swap_ab:
+                tiles.append(attrs.evolve(tile, fused_reduction=not tile.fused_reduction))
     return tiles
 
 
@@ -223,6 +240,8 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16, 64, 256, 1024, 4096])
     parser.add_argument("--routings", type=int, default=3, help="random routings each candidate is timed on")
     parser.add_argument("--verbose", action="store_true", help="print every measurement")
+    parser.add_argument("--refine", action="store_true",
+                        help="time only the current choice and its decode tiles with each option flipped")
     args = parser.parse_args(argv)
     quant = QuantScheme("nvfp4") if args.format == "nvfp4" else QuantScheme("native", bits=4,
                                                                              group_size=args.group_size)
@@ -234,7 +253,8 @@ def main(argv=None) -> None:
             print(f"M={tokens} {stage} {'skipped' if ms is None else f'{ms:.4f} ms'} {tile}", flush=True)
 
     for tokens in args.tokens:  # saved one count at a time: an interrupted run keeps what it measured
-        backends = tune(config, [tokens], report=report, routings=args.routings)
+        backends = tune(config, [tokens], report=report, routings=args.routings,
+                        candidates=refine_candidates if args.refine else candidate_tiles)
         print(f"M={tokens}: {backends[tokens]}\nsaved to {save(config, backends)}", flush=True)
 
 

@@ -8,7 +8,7 @@ import pytest
 import moe.oracle
 import moe.tune
 from moe import MoEConfig, QuantScheme, select_backend
-from moe.tune import ProgressBar, candidate_tiles, save, tune
+from moe.tune import ProgressBar, candidate_tiles, refine_candidates, save, tune
 from moe.weights import kernel_spec
 from numba_kernels.gemm import GemmTile
 from numba_kernels.launch import recording
@@ -66,3 +66,13 @@ def test_progress_bar_counts_to_the_total():
         bar.step("gemm1")
     assert stream.getvalue().endswith("3/3 gemm1" + " " * 35 + "\n")
     assert "[######]" in stream.getvalue()
+
+
+def test_refine_times_the_current_choice_and_its_flipped_options():
+    mixtral = MoEConfig(num_experts=8, top_k=2, hidden_size=4096, intermediate_size=14336, quant=QuantScheme("nvfp4"))
+    current = select_backend(mixtral, 1, kernel_spec(mixtral)).gemm1
+    tiles = refine_candidates(1, mixtral, mixtral.hidden_size)
+    assert tiles[0] == current and len(set(tiles)) == len(tiles) == (3 if current.swap_ab else 2)
+    assert {t.steady_loop for t in tiles} == {False, True}
+    prefill = refine_candidates(4096, mixtral, mixtral.intermediate_size)
+    assert len(prefill) == 1 and prefill[0].a_in_shared
