@@ -4,8 +4,9 @@
     compute-sanitizer --tool racecheck python3 benchmarks/sanitize.py
 
 Covers routing (softmax and grouped sigmoid), alignment, routing and alignment fused (3
-tokens), repack (checkpoint conversion), the grouped GEMM with decode and prefill tiles,
-activation, combine, LoRA and dequantize, each layer call twice (recorded, then replayed).
+tokens), repack (checkpoint conversion), the grouped GEMM with decode and prefill tiles
+(and the unchecked steady loop over 4-bit and NVFP4 weights), activation, combine, LoRA
+and dequantize, each layer call twice (recorded, then replayed).
 """
 
 import numpy as np
@@ -14,7 +15,10 @@ import torch
 import numba_kernels  # noqa: F401
 from moe import LoRAAdapter, LoRAHooks, MoEConfig, MoELayer, QuantScheme
 from moe.reference import random_checkpoint
+from moe.weights import ExpertWeights
+from numba_kernels.align import moe_align_block_size
 from numba_kernels.dequant import dequantize
+from numba_kernels.gemm import GemmTile, grouped_gemm
 from numba_kernels.routing import RoutingConfig, route
 
 
@@ -38,6 +42,14 @@ def main() -> None:
     route(torch.randn(5, 64, device="cuda"), RoutingConfig(4, "sigmoid", True, 8, 2, 2.5),
           correction_bias=torch.randn(64, device="cuda"))
     dequantize(layer.weights.w2, torch.bfloat16)
+    # K = 256 is 16 slabs: slabs 0-11 in the unchecked loop, 12-15 in the checked one.
+    steady = GemmTile(block_m=8, warps_k=1, slabs_per_warp=2, swap_ab=True, steady_loop=True)
+    alignment = moe_align_block_size(torch.tensor([[0, 5], [5, 7], [2, 0]], dtype=torch.int32, device="cuda"), 8, 8)
+    nvfp4 = ExpertWeights(MoEConfig(num_experts=8, top_k=2, hidden_size=256, intermediate_size=128,
+                                    quant=QuantScheme("nvfp4")))
+    nvfp4.fill_random()
+    for weights in (layer.weights.w13, nvfp4.w13):
+        grouped_gemm(hidden[:3], weights, *alignment, num_slots=6, tile=steady)
     torch.cuda.synchronize()
     print("all kernel families launched")
 
