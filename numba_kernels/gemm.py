@@ -113,8 +113,9 @@ class GemmTile:
     steady_loop: bool = False
 
     def __attrs_post_init__(self):
-        if (self.fused_reduction or self.steady_loop) and self.a_in_shared:
-            raise ValueError(f"fused_reduction and steady_loop are for decode tiles (no a_in_shared), got {self}")
+        for option in ("fused_reduction", "steady_loop"):
+            if getattr(self, option) and self.a_in_shared:
+                raise ValueError(f"{option} is for decode tiles (no a_in_shared), got {self}")
         if self.swap_ab:
             if self.block_m != 8 or self.warps_m != 1 or self.a_in_shared:
                 raise ValueError(f"swap_ab takes blocks of 8 slots, warps_m = 1 and no a_in_shared, got {self}")
