@@ -143,9 +143,10 @@ def cuda_graph_measure(repeats: int = 20) -> Measure:
 def tune(config: MoEConfig, token_counts: Iterable[int], *, measure: Measure | None = None,
          candidates: Callable[[int, MoEConfig, int], list[GemmTile]] = candidate_tiles, seed: int = 0,
          progress: bool = True, report: Callable[[int, str, GemmTile, float | None], None] | None = None,
-         routings: int = 3) -> dict[int, Backend]:
+         routings: int = 3, finished: Callable[[int, Backend], None] | None = None) -> dict[int, Backend]:
     """The fastest backend per token count (see the module docstring); `report` sees every
-    measurement (token count, "gemm1" or "gemm2", tile, ms or None when skipped)."""
+    measurement (token count, "gemm1" or "gemm2", tile, ms or None when skipped),
+    `finished` each token count's backend as soon as it is chosen."""
     if routings < 1:
         raise ValueError(f"routings must be at least 1, got {routings}")
     measure = measure or cuda_graph_measure()
@@ -214,6 +215,8 @@ def tune(config: MoEConfig, token_counts: Iterable[int], *, measure: Measure | N
             raise ValueError(f"no block size has candidate tiles for both GEMMs at M={tokens}")
         block_m = min(complete, key=lambda m: complete[m]["gemm1"][0] + complete[m]["gemm2"][0])
         best[tokens] = Backend(block_m, complete[block_m]["gemm1"][1], complete[block_m]["gemm2"][1])
+        if finished:
+            finished(tokens, best[tokens])
     return best
 
 
@@ -252,10 +255,11 @@ def main(argv=None) -> None:
         if args.verbose:
             print(f"M={tokens} {stage} {'skipped' if ms is None else f'{ms:.4f} ms'} {tile}", flush=True)
 
-    for tokens in args.tokens:  # saved one count at a time: an interrupted run keeps what it measured
-        backends = tune(config, [tokens], report=report, routings=args.routings,
-                        candidates=refine_candidates if args.refine else candidate_tiles)
-        print(f"M={tokens}: {backends[tokens]}\nsaved to {save(config, backends)}", flush=True)
+    def finished(tokens, backend):  # saved one count at a time: an interrupted run keeps what it measured
+        print(f"M={tokens}: {backend}\nsaved to {save(config, {tokens: backend})}", flush=True)
+
+    tune(config, args.tokens, report=report, routings=args.routings, finished=finished,
+         candidates=refine_candidates if args.refine else candidate_tiles)
 
 
 if __name__ == "__main__":

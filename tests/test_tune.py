@@ -28,8 +28,10 @@ def test_tuner_keeps_the_fastest_tiles_and_the_oracle_reads_them(tmp_path, monke
         launched.append((tile, len(calls)))
         return 1.0 if tile == FAST else 2.0
 
+    finished = {}
     best = tune(CONFIG, [2], measure=measure, candidates=lambda tokens, config, k: [SLOW, FAST], progress=False,
-                routings=2)
+                routings=2, finished=finished.__setitem__)
+    assert finished == best  # each count handed over as soon as it is chosen
     # each tile timed on both routings, each GEMM with the reduction that reads its output:
     # a kernel of its own, or finished by the GEMM (fused_reduction, one launch)
     assert launched == [(SLOW, 2), (SLOW, 2), (FAST, 1), (FAST, 1)] * 2
