@@ -30,19 +30,50 @@ def _e4m3_table() -> np.ndarray:
 E4M3_VALUES = _e4m3_table()
 E4M3_MAX = 448.0
 
+UE5M3_BIAS = 22
+
+
+def _ue5m3_table() -> np.ndarray:
+    """float32 value of each byte of the kernels' unsigned e5m3 scale: 2**(e - 22) * (1 + m / 8)
+    for exponent bits e in 1..30; bytes with e = 0 or 31 are not used (NaN)."""
+    byte = np.arange(256)
+    exponent, mantissa = byte >> 3, byte & 0x7
+    values = (1 + mantissa / 8.0) * 2.0 ** (exponent - UE5M3_BIAS)
+    values[(exponent == 0) | (exponent == 31)] = np.nan
+    return values.astype(np.float32)
+
+
+UE5M3_VALUES = _ue5m3_table()
+UE5M3_FIRST, UE5M3_LAST = 0x08, 0xF7  # 2**-21 and 480: every positive e4m3 value lies between
+
+
+def _round_to_table(magnitude: np.ndarray, positive: np.ndarray) -> np.ndarray:
+    """Index of the nearest entry of the increasing `positive` table, ties to the even index,
+    clamped to the table's ends."""
+    upper = np.clip(np.searchsorted(positive, magnitude), 1, positive.size - 1)
+    lower = upper - 1
+    below, above = magnitude - positive[lower], positive[upper] - magnitude
+    choose_upper = (above < below) | ((above == below) & (upper % 2 == 0))
+    return np.where(choose_upper, upper, lower)
+
 
 def e4m3_encode(values: np.ndarray) -> np.ndarray:
     """Round float values to float8_e4m3fn bytes: nearest, ties to even, saturating at ±448."""
     values = np.asarray(values, dtype=np.float32)
-    positive = E4M3_VALUES[:0x7F]  # bytes 0x00..0x7E, increasing
     magnitude = np.minimum(np.abs(values), E4M3_MAX)
-    upper = np.clip(np.searchsorted(positive, magnitude), 1, 0x7E)
-    lower = upper - 1
-    below, above = magnitude - positive[lower], positive[upper] - magnitude
-    choose_upper = (above < below) | ((above == below) & (upper % 2 == 0))
-    code = np.where(choose_upper, upper, lower).astype(np.uint8)
+    code = _round_to_table(magnitude, E4M3_VALUES[:0x7F]).astype(np.uint8)  # bytes 0x00..0x7E, increasing
     code = np.where(np.signbit(values), code | 0x80, code).astype(np.uint8)
     return np.where(np.isnan(values), np.uint8(0x7F), code).astype(np.uint8)
+
+
+def ue5m3_encode(values: np.ndarray) -> np.ndarray:
+    """Round positive float values to ue5m3 bytes: nearest, ties to even, clamped to
+    [2**-21, 480]. The format has no sign, zero or NaN: callers fold those away first."""
+    values = np.asarray(values, dtype=np.float32)
+    if np.any(~(values > 0)):
+        raise ValueError("ue5m3 holds positive scales only (fold signs and zeros into the codes first)")
+    positive = UE5M3_VALUES[UE5M3_FIRST:UE5M3_LAST + 1]
+    return (_round_to_table(values, positive) + UE5M3_FIRST).astype(np.uint8)
 
 
 def bf16_encode(values: np.ndarray) -> np.ndarray:
@@ -105,28 +136,44 @@ class E2M1:
 @attrs.frozen
 class FloatFormat:
     """How scale values are stored: float16, bfloat16 (as uint16 bits, numpy has no bf16),
-    float32, or float8_e4m3 (as uint8 bytes)."""
+    float32, float8_e4m3 (as uint8 bytes), or float8_ue5m3 (uint8 bytes).
 
-    name: str = attrs.field(validator=attrs.validators.in_(("float16", "bfloat16", "float32", "float8_e4m3")))
+    float8_ue5m3 is the kernels' own NVFP4 block scale: 5 exponent bits (bias 22) and 3
+    mantissa bits, no sign. It holds every positive e4m3 value exactly (e4m3 subnormals
+    become normals), and one byte permute plus one shift turn two of them into a half
+    pair (`numba_kernels.fragments`). Having no sign or zero, it is `signed=False`: a spec
+    storing it moves a negative scale's sign into its e2m1 codes and zeroes the codes of a
+    zero scale (`QuantSpec.pack`), which leaves every weight as it was."""
+
+    name: str = attrs.field(validator=attrs.validators.in_(
+        ("float16", "bfloat16", "float32", "float8_e4m3", "float8_ue5m3")))
 
     @property
     def storage_dtype(self) -> np.dtype:
-        return np.dtype({"float16": np.float16, "bfloat16": np.uint16,
-                         "float32": np.float32, "float8_e4m3": np.uint8}[self.name])
+        return np.dtype({"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32,
+                         "float8_e4m3": np.uint8, "float8_ue5m3": np.uint8}[self.name])
+
+    @property
+    def signed(self) -> bool:
+        """Whether the format holds negative scales and zero."""
+        return self.name != "float8_ue5m3"
 
     def encode(self, values: np.ndarray) -> np.ndarray:
         if self.name == "bfloat16":
             return bf16_encode(values)
         if self.name == "float8_e4m3":
             return e4m3_encode(values)
+        if self.name == "float8_ue5m3":
+            return ue5m3_encode(values)
         return np.asarray(values).astype(self.storage_dtype)
 
     def decode(self, stored: np.ndarray) -> np.ndarray:
         """float32 values of stored scales."""
         if self.name == "bfloat16":
             return bf16_decode(stored)
-        if self.name == "float8_e4m3":
-            return E4M3_VALUES[np.asarray(stored, np.uint8)]
+        if self.name in ("float8_e4m3", "float8_ue5m3"):
+            table = E4M3_VALUES if self.name == "float8_e4m3" else UE5M3_VALUES
+            return table[np.asarray(stored, np.uint8)]
         return np.asarray(stored).astype(np.float32)
 
     def __repr__(self) -> str:

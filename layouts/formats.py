@@ -145,10 +145,12 @@ def native(bits: int = 4, group_size: int | None = 128, *, zero_points: bool = F
     in 16 contiguous bytes), zero padded so any shape fits (K to 16, N to 64), scales in
     the activations' `half` type. The same layout serves decode and prefill.
 
-    `fp4=True` is NVFP4 in the same tiles: e2m1 nibbles, e4m3 scales per 16 input features
-    (permuted like Marlin's), and a per-expert global-scale divisor."""
+    `fp4=True` is NVFP4 in the same tiles: e2m1 nibbles, one scale byte per 16 input
+    features (permuted like Marlin's), and a per-expert global-scale divisor. The scale
+    bytes are e4m3's values re-stored as float8_ue5m3 (no sign, five exponent bits), which
+    the kernel turns into half pairs in two instructions instead of six."""
     if fp4:
-        return _marlin_tiles("native_nvfp4", E2M1(), 4, 16, scale_format=FloatFormat("float8_e4m3"),
+        return _marlin_tiles("native_nvfp4", E2M1(), 4, 16, scale_format=FloatFormat("float8_ue5m3"),
                              pad=(16, 64), global_scale_name="weight_global_scale")
     _check_bits(bits)
     if zero_points and act_order:

@@ -87,6 +87,9 @@ class QuantSpec:
             raise ValueError(f"{self.name}: act-order g_idx needs a group_size")
         if isinstance(self.code, E2M1) and self.global_scale_name is None:
             raise ValueError(f"{self.name}: e2m1 codes need a global scale tensor")
+        if not self.scale_format.signed and not isinstance(self.code, E2M1):
+            raise ValueError(f"{self.name}: {self.scale_format!r} scales hold no sign or zero, which only "
+                             f"e2m1 codes can take over; got {self.code!r} codes")
         bitpack = self.weight.layout.bitpack
         if bitpack is not None and bitpack.bits != self.code.bits:
             raise ValueError(f"{self.name}: weight packs {bitpack.bits}-bit codes but the code is {self.code.bits}-bit")
@@ -136,7 +139,9 @@ class QuantSpec:
         group; by default a stable argsort of g_idx.
         """
         self._check_quantized(q)
-        codes, g_idx = q.codes, q.g_idx
+        codes, scales, g_idx = q.codes, q.scales, q.g_idx
+        if not self.scale_format.signed:
+            codes, scales = self._fold_scale_signs(codes, scales, g_idx)
         physical: dict[str, np.ndarray] = {}
         if self.sort_k_by_group:
             order = np.argsort(g_idx, axis=-1, kind="stable") if sort_indices is None else np.asarray(sort_indices)
@@ -145,7 +150,7 @@ class QuantSpec:
             codes, g_idx = take_k(codes, order), take_k(g_idx, order)
             physical[self.sort_indices_name] = order.astype(np.int32)
         physical[self.weight.name] = self.weight.layout.pack(codes)
-        physical[self.scales.name] = self.scales.layout.pack(self.scale_format.encode(q.scales))
+        physical[self.scales.name] = self.scales.layout.pack(self.scale_format.encode(scales))
         if self.zeros is not None:
             stored = (np.asarray(q.zeros, np.int64) + self.zero_offset) % (1 << self.code.bits)
             physical[self.zeros.name] = self.zeros.layout.pack(stored)
@@ -208,6 +213,17 @@ class QuantSpec:
     def _per_expert(values: np.ndarray, ndim: int) -> np.ndarray:
         """Broadcast a (), (1,) or (E,) per-tensor value against a (…, N, K) array."""
         return values.reshape(-1, 1, 1) if values.size > 1 or ndim == 3 else values.reshape(())
+
+    def _fold_scale_signs(self, codes: np.ndarray, scales: np.ndarray, g_idx) -> tuple[np.ndarray, np.ndarray]:
+        """(codes, scales) for a scale format without sign or zero, with the same weights:
+        a negative scale's sign flips its e2m1 codes' sign bit, a zero scale zeroes its codes."""
+        scales = np.asarray(scales, np.float32)
+        if np.isnan(scales).any():
+            raise ValueError(f"{self.name}: scales hold NaN, which {self.scale_format!r} cannot store")
+        per_code = take_k(scales, self.group_of_k(codes.shape[-1], g_idx))
+        codes = np.where(per_code < 0, codes ^ 8, codes)
+        codes = np.where(per_code == 0, 0, codes)
+        return codes, np.where(scales == 0, np.float32(1.0), np.abs(scales))
 
     def _get(self, physical: dict, name: str):
         if name not in physical:

@@ -80,7 +80,7 @@ def spec_for(draw, shape: tuple[int, ...]):
     fp4 = draw(st.sampled_from([False, False, False, True]))  # one spec in four is NVFP4-like
     if fp4:
         code, group_size = E2M1(), 16
-        scale_format = FloatFormat("float8_e4m3")
+        scale_format = FloatFormat(draw(st.sampled_from(["float8_e4m3", "float8_ue5m3"])))
     else:
         bits = draw(st.sampled_from([2, 3, 4, 8]))
         code = IntCode(bits, draw(st.none() | st.just(1 << (bits - 1))))
@@ -102,16 +102,24 @@ def spec_for(draw, shape: tuple[int, ...]):
     )
 
 
-def _exact_scales(format: FloatFormat, rng: np.random.Generator, shape) -> np.ndarray:
-    """Positive scales exactly representable in `format`, so pack/unpack is lossless."""
-    if format.name == "float8_e4m3":
-        return E4M3_VALUES[rng.integers(0x08, 0x78, shape)]
-    return format.decode(format.encode(rng.uniform(0.001, 2.0, shape).astype(np.float32)))
+def _exact_scales(format: FloatFormat, rng: np.random.Generator, shape, signs: bool = False) -> np.ndarray:
+    """Scales exactly representable in `format`, so pack/unpack is lossless: positive, or
+    with `signs` one in four negative and one in eight zero (what NVFP4's e4m3 stores and
+    float8_ue5m3 folds into the codes)."""
+    if format.name in ("float8_e4m3", "float8_ue5m3"):  # e4m3 values: ue5m3 holds them all
+        scales = E4M3_VALUES[rng.integers(0x08, 0x78, shape)]
+    else:
+        scales = format.decode(format.encode(rng.uniform(0.001, 2.0, shape).astype(np.float32)))
+    if signs and format.signed:
+        draw = rng.integers(0, 8, shape)
+        scales = np.where(draw < 2, -scales, np.where(draw == 2, np.float32(0.0), scales)).astype(scales.dtype)
+    return scales
 
 
 def random_quantized(spec: QuantSpec, shape: tuple[int, ...], rng: np.random.Generator) -> Quantized:
     """Random logical data (codes, scales, zeros, g_idx, global scale) that `spec` stores
-    losslessly: scales exactly representable in its scale format."""
+    losslessly: scales exactly representable in its scale format (e2m1 codes' scales
+    negative or zero at times, where the format can hold it)."""
     k = shape[-1]
     groups = spec.groups(k)
     scale_shape = shape[:-1] + (groups,)
@@ -125,7 +133,8 @@ def random_quantized(spec: QuantSpec, shape: tuple[int, ...], rng: np.random.Gen
         experts = shape[0] if len(shape) == 3 else 1
         # Powers of two keep a stored reciprocal exact.
         global_scale = (2.0 ** rng.integers(-4, 12, experts)).astype(np.float32)
-    return Quantized(codes, _exact_scales(spec.scale_format, rng, scale_shape), zeros, g_idx, global_scale)
+    scales = _exact_scales(spec.scale_format, rng, scale_shape, signs=isinstance(spec.code, E2M1))
+    return Quantized(codes, scales, zeros, g_idx, global_scale)
 
 
 @st.composite

@@ -145,8 +145,9 @@ class ExpertWeights:
         spec = self.spec
         for tensors, (_, _, k) in ((self._w13, self.w13_shape), (self._w2, self.w2_shape)):
             for name, tensor in tensors.items():
-                if name == spec.scales.name and tensor.dtype == torch.uint8:  # float8_e4m3: 2**-4 .. 2**2
-                    tensor.copy_(torch.randint(0x18, 0x48, tensor.shape, generator=generator, device=tensor.device))
+                if name == spec.scales.name and tensor.dtype == torch.uint8:  # fp8 bytes of 2**-4 .. 2**2
+                    low, high = (int(b) for b in spec.scale_format.encode(np.array([2.0 ** -4, 4.0])))
+                    tensor.copy_(torch.randint(low, high, tensor.shape, generator=generator, device=tensor.device))
                 elif name == spec.scales.name:
                     tensor.uniform_(0.5 / k ** 0.5, 1.5 / k ** 0.5, generator=generator)
                 elif name == spec.global_scale_name:

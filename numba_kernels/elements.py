@@ -25,7 +25,7 @@ import numpy as np
 from numba import float32, int16, int32, uint8, uint32
 
 from layouts import E2M1, QuantSpec
-from layouts.encodings import E2M1_VALUES, E4M3_VALUES, FloatFormat
+from layouts.encodings import E2M1_VALUES, E4M3_VALUES, UE5M3_BIAS, UE5M3_FIRST, UE5M3_LAST, UE5M3_VALUES, FloatFormat
 
 from .ptx import device, f32_bits, half_to_f32, to_half
 
@@ -34,14 +34,14 @@ def scale_decoder(scale_format: FloatFormat):
     """Device function: one stored scale element -> float32."""
     if scale_format.name in ("bfloat16", "float16"):
         return half_to_f32(scale_format.name)
-    if scale_format.name == "float8_e4m3":
-        table = E4M3_VALUES
+    if scale_format.name in ("float8_e4m3", "float8_ue5m3"):
+        table = E4M3_VALUES if scale_format.name == "float8_e4m3" else UE5M3_VALUES
 
         @device
-        def decode_e4m3(x):
+        def decode_fp8(x):
             return table[uint32(x) & uint32(0xFF)]
 
-        return decode_e4m3
+        return decode_fp8
 
     @device
     def decode_float32(x):
@@ -81,10 +81,30 @@ def encode_e4m3(x):
     return uint32(sign | kept)
 
 
+@device
+def encode_ue5m3(x):
+    """float32 -> float8_ue5m3 byte (uint32) of |x|, as `layouts.encodings.ue5m3_encode`
+    (nearest even, clamped to [2**-21, 480]); zero and NaN give 1.0. Signs and zeros are
+    the caller's to fold into the codes (the repack kernel does)."""
+    magnitude = int32(f32_bits(x) & uint32(0x7FFFFFFF))
+    if magnitude == 0 or magnitude > 0x7F800000:
+        return uint32(UE5M3_BIAS << 3)
+    exponent = magnitude >> 23
+    if exponent < 128 - UE5M3_BIAS:  # below 2**-21
+        return uint32(UE5M3_FIRST)
+    if exponent > 135:  # 512 and up
+        return uint32(UE5M3_LAST)
+    kept = (magnitude >> 20) - ((127 - UE5M3_BIAS) << 3)
+    dropped = magnitude & 0xFFFFF
+    if dropped > 0x80000 or (dropped == 0x80000 and (kept & 1) == 1):
+        kept += 1
+    return uint32(min(kept, UE5M3_LAST))
+
+
 def scale_encoder(scale_format: FloatFormat):
     """Device function: float32 -> one stored scale element (the inverse of
     `scale_decoder`, rounding to nearest even as `FloatFormat.encode` does). Half formats
-    give their bits as int16, float8_e4m3 a uint8 byte, float32 the value."""
+    give their bits as int16, the float8 formats a uint8 byte, float32 the value."""
     if scale_format.name in ("bfloat16", "float16"):
         round_to_half = to_half(scale_format.name)
 
@@ -93,10 +113,12 @@ def scale_encoder(scale_format: FloatFormat):
             return int16(round_to_half(x))
 
         return encode_half
-    if scale_format.name == "float8_e4m3":
+    if scale_format.name in ("float8_e4m3", "float8_ue5m3"):
+        encode_byte = encode_e4m3 if scale_format.name == "float8_e4m3" else encode_ue5m3
+
         @device
         def encode_fp8(x):
-            return uint8(encode_e4m3(x))
+            return uint8(encode_byte(x))
 
         return encode_fp8
 
@@ -112,7 +134,7 @@ def _bits(word, shift, mask):
     return (uint32(word) >> uint32(shift)) & uint32(mask)
 
 
-def _group_fn(spec: QuantSpec):
+def group_reader(spec: QuantSpec):
     """Device function (g_idx, e, kp) -> scale group of stored input feature kp."""
     if spec.g_idx_name is not None:
         @device
@@ -233,7 +255,7 @@ def element_reader(spec: QuantSpec, n: int, k: int):
     (code - zero) * scale for integer codes, e2m1(code) * scale / global_scale for fp4.
     """
     read_code, read_scale = code_reader(spec, n, k), scale_reader(spec, n, k)
-    read_zero, group_of = zero_reader(spec, n, k), _group_fn(spec)
+    read_zero, group_of = zero_reader(spec, n, k), group_reader(spec)
     global_multiplier = global_scale_reader(spec)
     fp4 = isinstance(spec.code, E2M1)
     e2m1 = E2M1_VALUES

@@ -34,9 +34,11 @@ points) sit lane-contiguous, as in `formats.native` (`lane_scales`), fetches the
 eight scales with the weights (one 16- or 8-byte load) and builds the scale pairs in
 `decode`: no dependent load waits on a scale-group change, and the prefill GEMM stages
 those same words through shared memory (`staged_weights`). NVFP4's per-expert global
-scale then moves to the epilogue (`output_scale`), so an e2m1 code times its e4m3 block
-scale is exact in the half type; two columns' scales are converted together, and one
-multiply per register applies both the scale and the e2m1 bits' exponent bias. Other
+scale then moves to the epilogue (`output_scale`), so an e2m1 code times its block scale
+is exact in the half type. The native layout stores those scales as float8_ue5m3 bytes
+(no sign, 5 exponent bits): one ``prmt`` and one shift make two columns' scales a half
+pair, and one multiply per register applies both the scale and the e2m1 bits' exponent
+bias. Other
 scale layouts go through `column_params`, which reads the scales one by one when the
 group changes.
 
@@ -62,6 +64,7 @@ import numpy as np
 from numba import float32, int32, int64, uint32
 
 from layouts import E2M1, BitPack, Permute, QuantSpec, Tile, Transpose
+from layouts.encodings import UE5M3_BIAS
 from layouts.formats import marlin_weight_perm
 from layouts.transforms import Pad
 
@@ -82,23 +85,20 @@ class HalfConstants:
     int4_magic_value: float
     fp4_shift: int  # e2m1 magnitude bits -> half bits
     fp4_unbias_pair: int  # 2**126 (bfloat16) or 2**14 (float16): shifted e2m1 bits -> value
-    fp8_shift: int  # e4m3 magnitude bits -> half bits: 2**-120 (bfloat16) or 2**-8 (float16) times the value
-    # Shifted e4m3 bits -> the scale times 2**(e2m1 unbias - FP4_DOWNSCALE): powers of two
-    # whose exponents sum to e4m3 unbias + e2m1 unbias - FP4_DOWNSCALE, each a half value
-    # (bfloat16 120 + 126 - 7 = 120 + 119, float16 8 + 14 - 7 = 15).
-    fp4_scale_exponents: tuple[int, ...]
-
+    # A ue5m3 byte (bias 22) under `ue5m3_top`, shifted left by `ue5m3_shift`, lands in a
+    # half's exponent and mantissa: the scale times 2**119 (bfloat16: exponent 224 + e) or
+    # 2**7 (float16: exponent e). Times the shifted e2m1 bits, the value times 2**-7.
+    ue5m3_shift: int
+    ue5m3_top: int
 
 HALF_CONSTANTS = {
     "bfloat16": HalfConstants(one=0x3F803F80, int4_magic=0x43004300, int4_magic_value=128.0,
-                              fp4_shift=6, fp4_unbias_pair=0x7E807E80, fp8_shift=4,
-                              fp4_scale_exponents=(120, 119)),
+                              fp4_shift=6, fp4_unbias_pair=0x7E807E80, ue5m3_shift=4, ue5m3_top=0x07),
     "float16": HalfConstants(one=0x3C003C00, int4_magic=0x64006400, int4_magic_value=1024.0,
-                             fp4_shift=9, fp4_unbias_pair=0x74007400, fp8_shift=7,
-                             fp4_scale_exponents=(15,)),
+                             fp4_shift=9, fp4_unbias_pair=0x74007400, ue5m3_shift=7, ue5m3_top=0x00),
 }
 
-# NVFP4 with prefetched block scales: a fragment is the e2m1 value times its e4m3 scale
+# NVFP4 with prefetched block scales: a fragment is the e2m1 value times its block scale
 # times 2**-FP4_DOWNSCALE, exact in either half type for every code and scale (at most
 # 21, at least 2**-17); the epilogue multiplies by 2**FP4_DOWNSCALE with the global scale.
 FP4_DOWNSCALE = 7
@@ -201,7 +201,7 @@ def lane_scales(spec: QuantSpec, n: int, k: int, half: str) -> LaneScales | None
     for every column and group, or None (then the reader reads scales one by one)."""
     if spec.g_idx_name is not None:
         return None
-    fp8 = spec.scale_format.name == "float8_e4m3"
+    fp8 = spec.scale_format.name == "float8_ue5m3"  # NVFP4 block scales as the native layout stores them
     if not (fp8 and isinstance(spec.code, E2M1)) and spec.scale_format.name != half:
         return None
     if spec.code.bits == 8 and half == "bfloat16":
@@ -291,12 +291,10 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
     magic_bits = uint32(constants.int4_magic & 0xFFFF)
     fixed_bits = int(ptx.round_to_half_bits(np.float64(-(constants.int4_magic_value + (spec.code.bias or 0))), half))
     fixed_offset_pair = uint32(fixed_bits | fixed_bits << 16)
-    # e4m3 magnitude bits shifted into a half's exponent and mantissa, then multiplied by
-    # powers of two (`fp4_scales`): exact for every e4m3 value, subnormals included.
-    fp8_shift = constants.fp8_shift
-    fp8_magnitude = uint32(0x7F007F << fp8_shift)
-    scale_factors = tuple(uint32(int(ptx.round_to_half_bits(np.float64(2.0 ** exponent), half)) * 0x10001)
-                          for exponent in constants.fp4_scale_exponents)  # as half pairs
+    # ue5m3 scale bytes, as half pairs in two instructions (`fp4_scales`); their bias makes
+    # the shifted e2m1 bits times them the weight times 2**-FP4_DOWNSCALE.
+    assert UE5M3_BIAS - 29 == -FP4_DOWNSCALE
+    ue5m3_shift, ue5m3_top = constants.ue5m3_shift, uint32(constants.ue5m3_top * 0x01010101)
 
     @device
     def column_params(weights, e, group, chunk, lane_id, params):
@@ -384,15 +382,12 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
 
     @device
     def fp4_scales(raw, pair):
-        """The prefetched e4m3 scales of columns 2 pair and 2 pair + 1 as one half pair,
-        times 2**(e2m1 unbias - FP4_DOWNSCALE): one conversion for two columns."""
+        """The prefetched ue5m3 scales of columns 2 pair and 2 pair + 1 as one half pair,
+        times 2**(e2m1 unbias - FP4_DOWNSCALE): one byte permute and one shift."""
         byte = 2 * (pair % 2)
-        top = byte_perm(uint32(raw[words_per_lane + pair // 2]), uint32(0),
-                        uint32(0x0404 + (byte << 4) + ((byte + 1) << 12)))  # the bytes on top of each half
-        bits = and_or(top, uint32(0x80008000), (top >> uint32(8 - fp8_shift)) & fp8_magnitude)
-        for factor in scale_factors:
-            bits = fma2(bits, factor, zero_pair)
-        return bits
+        spread = byte_perm(uint32(raw[words_per_lane + pair // 2]), ue5m3_top,
+                           uint32(0x4040 + byte + ((byte + 1) << 8)))
+        return spread << uint32(ue5m3_shift)
 
     @device
     def decode(raw, params, weights, e, slab, chunk, lane_id, frags):

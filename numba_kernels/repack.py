@@ -18,8 +18,11 @@ Algorithm (one kernel launch, plus a few small torch ops for act-order and globa
   cannot be viewed as 32-bit words, on a zeroed scratch copied back afterwards.
 * scales, zero points: for every (e, n, group), copy the stored scale bits when the two
   scale formats are equal, else decode to float32 and re-encode (`elements.scale_encoder`:
-  half floats round to nearest even, float8_e4m3 as `e4m3_encode`); the logical zero point
-  (stored - source offset) mod 2^bits is stored again with the destination offset.
+  half floats round to nearest even, the float8 formats as `e4m3_encode` / `ue5m3_encode`);
+  the logical zero point (stored - source offset) mod 2^bits is stored again with the
+  destination offset. A destination scale format without sign or zero (float8_ue5m3) gets
+  |scale|, and each code thread folds its block scale's sign into the e2m1 code (zero
+  scale: code 0), as `QuantSpec.pack` does; NaN scales are refused before the launch.
 * act-order (torch, on the device): g_idx is copied; a destination storing K sorted by
   group (Marlin act-order) gets the stable argsort of each expert's g_idx, as
   `QuantSpec.pack` does. The kernel maps each logical k to its stored position in each
@@ -55,7 +58,7 @@ from layouts import QuantSpec
 
 from . import interop, ptx
 from .launch import launch_kernel
-from .elements import code_reader, scale_decoder, scale_encoder, zero_reader
+from .elements import code_reader, group_reader, scale_decoder, scale_encoder, scale_reader, zero_reader
 from .weights import KernelWeights
 
 THREADS = 256
@@ -63,7 +66,7 @@ MAX_BLOCKS = 4 if ptx.SIMULATED else 65536
 """Grid cap: the grid-stride loop covers the rest (few simulated blocks: each one is slow)."""
 
 _SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-                 "float8_e4m3": torch.uint8}
+                 "float8_e4m3": torch.uint8, "float8_ue5m3": torch.uint8}
 _WORD_DTYPES = {None: torch.int32, "int32": torch.int32, "uint8": torch.uint8}
 
 
@@ -164,6 +167,8 @@ def make_repack_kernel(src_spec: QuantSpec, dst_spec: QuantSpec, n: int, k: int,
     same_scale_format = src_spec.scale_format == dst_spec.scale_format
     decode, encode = scale_decoder(src_spec.scale_format), scale_encoder(dst_spec.scale_format)
     src_position, dst_position = _position_in(src_spec.sort_k_by_group), _position_in(dst_spec.sort_k_by_group)
+    fold_signs = src_spec.scale_format.signed and not dst_spec.scale_format.signed
+    read_scale, group_of = scale_reader(src_spec, n, k), group_reader(src_spec)
     has_zeros = dst_spec.zeros is not None
     write_zero = _word_writer(dst_spec.zeros.layout, (dst_rows, groups), zero_word_bits) if has_zeros else _no_write
     zero_offset, zero_mask = dst_spec.zero_offset, (1 << dst_spec.code.bits) - 1
@@ -171,14 +176,18 @@ def make_repack_kernel(src_spec: QuantSpec, dst_spec: QuantSpec, n: int, k: int,
 
     @ptx.kernel
     def repack_kernel(src_arrays, weight_words, scales, zero_words, src_positions, dst_positions, experts, total):
-        src_weight, src_scales, src_zeros = src_arrays[0], src_arrays[1], src_arrays[2]
+        src_weight, src_scales, src_zeros, src_g_idx = src_arrays[0], src_arrays[1], src_arrays[2], src_arrays[3]
         slots, src_first, src_step, dst_first, dst_step = experts
         codes = slots * codes_per_expert
         for index in range(cuda.grid(1), total, cuda.gridsize(1)):
             if index < codes:
                 slot, rest = index // codes_per_expert, index % codes_per_expert
                 n_, k_ = rest // k, rest % k
-                code = read_code(src_weight, src_first + slot * src_step, n_, src_position(src_positions, slot, k_))
+                e_src, kp = src_first + slot * src_step, src_position(src_positions, slot, k_)
+                code = read_code(src_weight, e_src, n_, kp)
+                if fold_signs:
+                    scale = read_scale(src_scales, e_src, n_, group_of(src_g_idx, e_src, kp))
+                    code = _folded_code(code, scale)
                 write_code(weight_words, dst_first + slot * dst_step, n_ + row_offset,
                            dst_position(dst_positions, slot, k_), code)
             else:
@@ -196,6 +205,14 @@ def make_repack_kernel(src_spec: QuantSpec, dst_spec: QuantSpec, n: int, k: int,
                     write_zero(zero_words, e_dst, n_ + row_offset, group, (zero + zero_offset) & zero_mask)
 
     return repack_kernel
+
+
+@ptx.device
+def _folded_code(code, scale):
+    """The e2m1 code carrying its block scale's sign (and 0 under a zero scale)."""
+    if scale == 0:
+        return uint32(0)
+    return code ^ uint32(8) if scale < 0 else code
 
 
 def destination_tensors(dst_spec: QuantSpec, shape: tuple[int, int, int]) -> dict[str, tuple[tuple, torch.dtype]]:
@@ -269,6 +286,8 @@ def repack(src: KernelWeights, dst_spec: QuantSpec, *, out: dict | None = None,
     dst_experts = slice(dst_first, dst_first + len(experts) * dst_step, dst_step)
     src_experts = torch.arange(src_first, src_first + len(experts) * src_step, src_step, device=interop.kernel_device())
 
+    if src.spec.scale_format.signed and not dst_spec.scale_format.signed:
+        _check_no_nan_scales(src, dst_spec, src_experts)
     src_positions, dst_positions = _act_order(src, dst_spec, out, src_experts, dst_experts)
     _global_scale(src, dst_spec, out, src_experts, dst_experts)
     if dst_spec.shape_name is not None:
@@ -339,6 +358,19 @@ def _flat_words(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None
         return flat.view(torch.int32), None
     scratch = torch.zeros(-(-flat.numel() // 4), dtype=torch.int32, device=tensor.device)
     return scratch, scratch
+
+
+def _check_no_nan_scales(src: KernelWeights, dst_spec: QuantSpec, src_experts) -> None:
+    """A destination without signed scales takes signs and zeros into the codes; NaN has
+    nowhere to go."""
+    scales = src.tensors[1][src_experts % src.tensors[1].shape[0]]
+    if src.spec.scale_format.name == "float8_e4m3":
+        nan = (scales & 0x7F) == 0x7F
+    else:
+        nan = torch.isnan(scales.float())
+    if bool(nan.any()):
+        raise ValueError(f"src scales hold NaN, which dst_spec {dst_spec.name!r} cannot store "
+                         f"({dst_spec.scale_format!r} has no NaN)")
 
 
 def _act_order(src: KernelWeights, dst_spec: QuantSpec, out: dict, src_experts, dst_experts):

@@ -205,12 +205,13 @@ def test_steady_loop_without_range_checks_gives_the_same_products(spec, tile):
 @pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
 def test_nvfp4_fragments_are_exact_for_every_code_and_the_extreme_block_scales(half):
     """Every e2m1 code times e4m3 block scales from the smallest subnormal (2**-9) to the
-    largest (448), decoded as code * scale * 2**-7 and rescaled in the epilogue: one-hot
-    activations read each weight back, exactly (each fits the half type)."""
+    largest (448), negative and zero ones too (folded into the codes), decoded as code *
+    scale * 2**-7 and rescaled in the epilogue: one-hot activations read each weight back,
+    exactly (each fits the half type)."""
     spec, n, k = formats.native(fp4=True), 64, 32
     codes = (np.arange(n * k).reshape(1, n, k) * 7) % 16
-    e4m3 = np.array([2.0 ** -9, 7 * 2.0 ** -9, 2.0 ** -6, 0.5, 1.0, 1.875, 240.0, 448.0])
-    scales = e4m3[np.arange(n * k // 16).reshape(1, n, k // 16) % 8]
+    e4m3 = np.array([2.0 ** -9, -7 * 2.0 ** -9, 2.0 ** -6, 0.0, 0.5, -1.0, 1.875, 240.0, -448.0, 448.0])
+    scales = e4m3[np.arange(n * k // 16).reshape(1, n, k // 16) % 10]
     quantized = Quantized(codes, scales, global_scale=np.array([0.5], np.float32))
     physical = spec.pack(quantized)
     weights = KernelWeights.from_physical(spec, physical, (1, n, k))

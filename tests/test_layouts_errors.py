@@ -3,7 +3,10 @@
 import numpy as np
 import pytest
 
-from layouts import BitPack, IntCode, Layout, Permute, Quantized, Tile, explain, formats
+import attrs
+
+from layouts import BitPack, FloatFormat, IntCode, Layout, Permute, Quantized, Tile, explain, formats
+from layouts.encodings import ue5m3_encode
 from layouts.explain import where
 
 
@@ -68,6 +71,15 @@ def test_missing_physical_tensor_is_named():
 def test_mismatched_logical_arrays_are_rejected():
     with pytest.raises(ValueError, match="scales must be shaped"):
         Quantized(np.zeros((4, 8), int), np.zeros((5, 1)))
+
+
+def test_unsigned_scales_need_e2m1_codes_and_no_nan():
+    with pytest.raises(ValueError, match="float8_ue5m3 scales hold no sign or zero, which only e2m1 codes can take over"):
+        attrs.evolve(formats.gptq(4), scale_format=FloatFormat("float8_ue5m3"))
+    with pytest.raises(ValueError, match="native_nvfp4: scales hold NaN"):
+        formats.native(fp4=True).pack(Quantized(np.zeros((64, 32), int), np.full((64, 2), np.nan), global_scale=[1.0]))
+    with pytest.raises(ValueError, match="ue5m3 holds positive scales only"):
+        ue5m3_encode(np.array([1.0, 0.0]))
 
 
 def test_explain_draws_where_elements_land():

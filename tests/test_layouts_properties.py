@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from layouts import E2M1, Quantized, formats
+from layouts.encodings import E4M3_VALUES
 from layouts.strategies import spec_and_weight
 
 PROPERTY = settings(max_examples=150, deadline=None)
@@ -75,6 +76,24 @@ def test_dequantize_matches_the_float_formula(case):
                 value = codes[e, :, k] - np.asarray(zero, np.float64)
             expected[e, :, k] = value * scales[e, :, g].astype(np.float64)
     np.testing.assert_array_equal(weights.reshape(expected.shape), expected)
+
+
+def test_native_nvfp4_folds_scale_signs_and_zeros_into_the_codes():
+    """float8_ue5m3 has no sign or zero: negative block scales flip their codes' sign bit,
+    zero ones zero their codes, positive ones (every e4m3 value) are stored exactly; the
+    weights are the checkpoint's, and the native layout is the engines' nvfp4 otherwise."""
+    rng = np.random.default_rng(0)
+    e4m3 = E4M3_VALUES[np.r_[0:0x7F, 0x80:0xFF]]  # every value, -0 and both signs of the subnormals
+    scales = e4m3[rng.integers(0, e4m3.size, (64, 8))]
+    q = Quantized(rng.integers(0, 16, (64, 128)), scales, global_scale=np.array(2.0, np.float32))
+    native, checkpoint = formats.native(fp4=True), formats.nvfp4()
+    physical = native.pack(q)
+    np.testing.assert_array_equal(native.dequantize(physical), checkpoint.dequantize(checkpoint.pack(q)))
+    stored = native.unpack(physical)
+    assert np.all(stored.scales > 0)
+    folded = np.repeat(scales, 16, axis=1)
+    np.testing.assert_array_equal(stored.codes, np.where(folded == 0, 0, np.where(folded < 0, q.codes ^ 8, q.codes)))
+    np.testing.assert_array_equal(stored.scales, np.where(scales == 0, 1.0, np.abs(scales)))
 
 
 @pytest.mark.parametrize("k, group_size", [(704, 128), (100, 32), (96, 64), (40, 128)])

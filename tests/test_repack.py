@@ -13,11 +13,11 @@ from hypothesis import given, strategies as st
 from numba import cuda
 
 import layouts
-from layouts import FloatFormat, Quantized, Tensor, formats
-from layouts.encodings import e4m3_encode
+from layouts import E2M1, FloatFormat, Quantized, Tensor, formats
+from layouts.encodings import e4m3_encode, ue5m3_encode
 from layouts.strategies import layout, quantized_for, random_quantized, spec_for, weight_shape
 from numba_kernels import interop, ptx
-from numba_kernels.elements import encode_e4m3
+from numba_kernels.elements import encode_e4m3, encode_ue5m3
 from numba_kernels.repack import destination_tensors, reference_repack, repack
 from numba_kernels.weights import KernelWeights
 
@@ -34,7 +34,8 @@ def load(name: str) -> dict:
 def layout_pair(draw, max_experts: int = 3, max_size: int = 32):
     """(src_spec, dst_spec, Quantized): two specs for the same code, group size, zero
     points and act-order, each with its own random layouts (K sorted or not, zero offset,
-    global-scale convention); one pair in two also changes the scale format."""
+    global-scale convention); one pair in two also changes the scale format (e2m1 codes
+    to float8_ue5m3 too, which folds the e4m3 scales' signs and zeros into the codes)."""
     shape = draw(weight_shape(max_experts, max_size))
     src = draw(spec_for(shape))
     n, k = shape[-2:]
@@ -44,7 +45,8 @@ def layout_pair(draw, max_experts: int = 3, max_size: int = 32):
         src, name="random_dst",
         weight=Tensor("dst_weight", draw(layout((n, k), bits=src.code.bits))),
         scales=Tensor("dst_scales", draw(layout((n, groups)))),
-        scale_format=FloatFormat(draw(st.sampled_from(SCALE_FORMATS))) if draw(st.booleans()) else src.scale_format,
+        scale_format=FloatFormat(draw(st.sampled_from(SCALE_FORMATS + ["float8_ue5m3"] * isinstance(src.code, E2M1))))
+        if draw(st.booleans()) else src.scale_format,
         zeros=zeros, zero_offset=draw(st.sampled_from([0, -1])) if zeros is not None else 0,
         sort_k_by_group=src.g_idx_name is not None and draw(st.booleans()),
         global_scale_reciprocal=src.global_scale_name is not None and draw(st.booleans()),
@@ -129,25 +131,53 @@ def test_repack_matches_convert_for_random_layout_pairs(case, data):
     assert_same_bytes(got, expected, dst_spec, experts, converted=selection)
 
 
-def test_e4m3_encoder_is_e4m3_encode_on_every_rounding_class():
+@pytest.mark.parametrize("device_encode, encode", [(encode_e4m3, e4m3_encode), (encode_ue5m3, ue5m3_encode)],
+                         ids=["e4m3", "ue5m3"])
+def test_fp8_encoder_is_the_numpy_encode_on_every_rounding_class(device_encode, encode):
     """Every float32 whose low 16 bits are 0 or 1: all signs, exponents and top 7 mantissa
-    bits (which hold the round bit of every e4m3 normal and subnormal), each with the
-    sticky bits below clear (exact values and ties) or set; infinities and NaNs too."""
+    bits (which hold the round bit of every fp8 normal and subnormal), each with the
+    sticky bits below clear (exact values and ties) or set; infinities and NaNs too
+    (ue5m3, which has no sign, zero or NaN: the positive finite ones)."""
     high = np.arange(1 << 16, dtype=np.uint32) << np.uint32(16)
     values = (high[:, None] | np.array([0, 1], np.uint32)).ravel().view(np.float32)
+    if encode is ue5m3_encode:
+        values = values[(values > 0) & np.isfinite(values)]
     if ptx.SIMULATED:  # a device function is a Python function here: a launch only adds overhead
-        codes = np.array([encode_e4m3(value) for value in values], np.uint8)
+        codes = np.array([device_encode(value) for value in values], np.uint8)
     else:
         @ptx.kernel
         def encode_all(values, codes):
             for index in range(cuda.grid(1), values.shape[0], cuda.gridsize(1)):
-                codes[index] = encode_e4m3(values[index])
+                codes[index] = device_encode(values[index])
 
         codes = torch.zeros(values.shape, dtype=torch.uint8, device="cuda")
         encode_all[512, 256](interop.to_kernel(torch.from_numpy(values).cuda()), interop.to_kernel(codes))
         codes = codes.cpu().numpy()
     with np.errstate(invalid="ignore"):
-        np.testing.assert_array_equal(codes, e4m3_encode(values))
+        np.testing.assert_array_equal(codes, encode(values))
+
+
+def test_nvfp4_with_negative_and_zero_block_scales_repacks_to_the_native_layout():
+    """The native layout's ue5m3 scales have no sign or zero: the repack folds them into
+    the e2m1 codes as `QuantSpec.pack` does, bit for bit, and the weights stay the same."""
+    src_spec, dst_spec, shape = formats.nvfp4(), formats.native(fp4=True), (2, 64, 64)
+    rng = np.random.default_rng(3)
+    scales = np.array([0.5, -0.5, 0.0, -0.0, 2.0 ** -9, -448.0])[rng.integers(0, 6, (2, 64, 4))]
+    q = Quantized(rng.integers(0, 16, shape), scales, global_scale=np.array([1.0, 4.0], np.float32))
+    physical = src_spec.pack(q)
+    got = repack(KernelWeights.from_physical(src_spec, physical, shape), dst_spec,
+                 out=poisoned_destination(dst_spec, shape))
+    expected = reference_repack(src_spec, physical, dst_spec, shape)
+    assert_same_bytes(got, expected, dst_spec, 2)
+    np.testing.assert_array_equal(dst_spec.dequantize(expected, shape), src_spec.dequantize(physical, shape))
+
+
+def test_repack_refuses_nan_scales_a_destination_cannot_fold():
+    src_spec, shape = formats.nvfp4(), (1, 64, 32)
+    physical = src_spec.pack(Quantized(np.zeros(shape[1:], np.int64), np.ones((64, 2)), global_scale=[1.0]))
+    physical["weight_scale"][3, 1] = 0x7F  # e4m3 NaN
+    with pytest.raises(ValueError, match="src scales hold NaN, which dst_spec 'native_nvfp4' cannot store"):
+        repack(KernelWeights.from_physical(src_spec, physical, shape[1:]), formats.native(fp4=True))
 
 
 # -- the engines' conversions: golden bytes ------------------------------------------------------
