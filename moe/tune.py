@@ -84,9 +84,8 @@ def candidate_tiles(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTile
 def refine_candidates(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTile]:
     """Candidates for `--refine`: the tile the oracle now picks (tuned or heuristic) for the
     GEMM of reduction length `k` and, if it is a decode tile, that tile with each boolean
-    option flipped (steady_loop; fused_reduction when swapped) and with the other L2
-    prefetch distances (0, 1, 2 batches): minutes instead of a full tuning's tens of
-    minutes, to re-check saved entries after a kernel gains an option."""
+    option flipped (steady_loop; fused_reduction when swapped): minutes instead of a full
+    tuning's tens of minutes, to re-check saved entries after a kernel gains an option."""
     backend = select_backend(config, num_tokens, kernel_spec(config))
     tiles = []
     for tile, tile_k in ((backend.gemm1, config.hidden_size), (backend.gemm2, config.intermediate_size)):
@@ -94,7 +93,6 @@ def refine_candidates(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTi
             tiles.append(tile)
             if not tile.a_in_shared:
                 tiles.append(attrs.evolve(tile, steady_loop=not tile.steady_loop))
-                tiles += [attrs.evolve(tile, prefetch=ahead) for ahead in (0, 1, 2) if ahead != tile.prefetch]
             if tile.swap_ab:
                 tiles.append(attrs.evolve(tile, fused_reduction=not tile.fused_reduction))
     return tiles

@@ -25,7 +25,6 @@ local arrays, which the compiler keeps in registers once its loops are unrolled)
     group = group_of_slab(weights, e, s)                       # scale group of slab s
     column_params(weights, e, group, c, lane, params)          # params[16]: scale, offset
     fetch(weights, e, s, c, lane, raw)                         # raw[raw_words]: the words
-    prefetch(weights, e, s, c, lane)                           # ask L2 for them, for later
     decode(raw, params, weights, e, s, c, lane, frags)         # frags[16]: half pairs
     multiplier = output_scale(weights, e)                      # float32 for the epilogue
 
@@ -138,14 +137,13 @@ def fast_path_supported(spec: QuantSpec, half: str) -> bool:
 
 @attrs.frozen
 class FragmentReader:
-    """The six device functions of the module docstring, plus how many raw words `fetch`
+    """The five device functions of the module docstring, plus how many raw words `fetch`
     returns per lane (4 for 4-bit Marlin tiles, 8 for 8-bit, plus the scale words it
     prefetches; 1 for index maps)."""
 
     group_of_slab: object
     column_params: object
     fetch: object
-    prefetch: object
     decode: object
     output_scale: object
     raw_words: int
@@ -339,15 +337,6 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
                 raw[words_per_lane + scale_words] = load1(weights[2], row * zero_row + column // 8)
 
     @device
-    def prefetch(weights, e, slab, chunk, lane_id):
-        """The lines `fetch` will read for this slab, into L2 (no registers held)."""
-        first = (int64(e) * slab_rows + slab) * slab_words + chunk * words_per_chunk + lane_id * words_per_lane
-        ptx.prefetch_l2(weights[0], first)
-        if scale_words:
-            row = int64(e) * groups + uint32(slab) * uint32(SLAB_K) // uint32(group_size)
-            ptx.prefetch_l2(weights[1], row * scale_row + chunk * CHUNK_N + 8 * (lane_id // 4))
-
-    @device
     def lane_scale_pair(raw, column):
         """The prefetched 16-bit scale of `column`, replicated into both halves."""
         half_index = column % 2
@@ -454,8 +443,8 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
         deferred = DeferredScales(codes, column_scale, column_offset,
                                   spec.group_size // SLAB_K if spec.group_size else None)
 
-    return FragmentReader(_group_of_slab(spec) if not scale_words else _no_groups(), column_params, fetch, prefetch,
-                          decode, output_scale, words_per_lane + scale_words + zero_words, True, deferred)
+    return FragmentReader(_group_of_slab(spec) if not scale_words else _no_groups(), column_params, fetch, decode,
+                          output_scale, words_per_lane + scale_words + zero_words, True, deferred)
 
 
 @attrs.frozen
@@ -637,11 +626,6 @@ def _no_groups():
     return group_of_slab
 
 
-@device
-def _no_prefetch(weights, e, slab, chunk, lane):
-    return
-
-
 def _index_map_reader(spec: QuantSpec, n: int, k: int, half: str) -> FragmentReader:
     read = element_reader(spec, n, k)
     pack2 = ptx.pack2(half)
@@ -674,4 +658,4 @@ def _index_map_reader(spec: QuantSpec, n: int, k: int, half: str) -> FragmentRea
                 kp = slab * SLAB_K + 2 * t + 8 * r
                 frags[2 * column + r] = pack2(value(weights, e, n_, kp), value(weights, e, n_, kp + 1))
 
-    return FragmentReader(_no_groups(), column_params, fetch, _no_prefetch, decode, output_scale, 1, False)
+    return FragmentReader(_no_groups(), column_params, fetch, decode, output_scale, 1, False)

@@ -97,9 +97,6 @@ class GemmTile:
     steady_loop:    decode: while whole batches remain, run a copy of the main loop without
                     the per-slab range checks (fewer instructions per slab where
                     dequantisation is issue-bound, but more code and registers).
-    prefetch:       decode: each warp asks L2 for its slabs this many batches ahead
-                    (`prefetch.global.L2`, no registers held), so a batch's loads wait on
-                    L2 rather than on memory; 0: none.
     """
 
     block_m: int = attrs.field(default=16, validator=_positive_power_of_two)
@@ -114,11 +111,9 @@ class GemmTile:
     swap_ab: bool = False
     fused_reduction: bool = False
     steady_loop: bool = False
-    prefetch: int = attrs.field(default=0, validator=attrs.validators.and_(attrs.validators.ge(0),
-                                                                            attrs.validators.le(8)))
 
     def __attrs_post_init__(self):
-        for option in ("fused_reduction", "steady_loop", "prefetch"):
+        for option in ("fused_reduction", "steady_loop"):
             if getattr(self, option) and self.a_in_shared:
                 raise ValueError(f"{option} is for decode tiles (no a_in_shared), got {self}")
         if self.swap_ab:
@@ -162,7 +157,6 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     pairs, rows 16-byte aligned and weights that `fragments.staging_supported` accepts."""
     reader = fragment_reader(spec, n, k, half)
     group_of_slab, column_params, fetch, decode = reader.group_of_slab, reader.column_params, reader.fetch, reader.decode
-    prefetch_slab, ahead = reader.prefetch, tile.prefetch * tile.slabs_per_warp  # slabs between a fetch and its prefetch
     output_scale, load_word = reader.output_scale, ptx.load_words[1]
     mma, to_half, pack2 = ptx.mma(half), ptx.to_half(half), ptx.pack2(half)
     pair_stores = stores_pairs(tile, n, partial_output)
@@ -279,8 +273,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
 
         @ptx.device
         def fetch_batch(act, weights, expert, first_slab, end_slab, chunk, lane, rows, raw, a_raw):
-            """Issue the loads of `depth` slabs (first_slab + d): weight and A words; and
-            ask L2 for the batch `tile.prefetch` batches on."""
+            """Issue the loads of `depth` slabs (first_slab + d): weight and A words."""
             t = lane % 4
             for d in range(depth):
                 slab = first_slab + d
@@ -290,8 +283,6 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                         for w in range(2 * row_halves):  # A: a0..a3; swapped B: b0, b1 of slot g
                             a_raw[d, mt, w] = a_word(act, weights, expert, rows[mt, w % row_halves], slab, t,
                                                      w // row_halves)
-                if ahead and slab + ahead < end_slab:
-                    prefetch_slab(weights, expert, slab + ahead, chunk, lane)
 
         @ptx.device
         def multiply_batch(weights, expert, first_slab, end_slab, chunk, lane, raw, a_raw, params, frags, group, acc,
@@ -567,9 +558,6 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                     a_sum[c] = float32(0.0)
                 slab_a = start_slab + wk * warp_run
                 own_end = min(slab_a + warp_run, weight_end)
-                if ahead:  # the batches before the first that fetch_batch prefetches
-                    for slab in range(slab_a + depth, min(slab_a + ahead, own_end)):
-                        prefetch_slab(weights, expert, slab, chunk, lane)
                 fetch_batch(act, weights, expert, slab_a, own_end, chunk, lane, rows, raw_a, a_raw_a)
                 if steady_loop:  # while both batches and the next are whole: no per-slab checks
                     while slab_a + 3 * depth <= own_end:

@@ -19,7 +19,6 @@ helper                   PTX                                 used for
 ``load_words[n](a, i)``  ld.global.nc{,.v2,.v4}.u32          n words at flat element i
 ``load_shared[n](s, i)`` ld.shared{,.v2,.v4}.u32             n words of a shared array
 ``load_coherent(a, i)``  ld.global.cg.u32                    a word other CTAs wrote
-``prefetch_l2(a, i)``    prefetch.global.L2                  decode: later slabs -> L2
 ``copy_async(s, i, a,    cp.async.cg.shared.global 16        prefill: global -> shared
 j, bytes)``                                                  without registers
 ``commit_copies()``      cp.async.commit_group               close a pipeline stage
@@ -341,10 +340,6 @@ def _twin_load_words(count: int):
     return load
 
 
-def _twin_prefetch_l2(array, offset):
-    array.reshape(-1)[offset]  # a hint with no effect, but the address must be in the array
-
-
 def _twin_load_bits(array, offset):
     return np.array(array.reshape(-1)[offset]).view(np.uint32)[()]
 
@@ -484,26 +479,6 @@ def _gpu_word_load(count: int, space: str):
     return _gpu_read(asm, count, _element_pointer if space == "global" else _shared_pointer)
 
 
-def _gpu_prefetch_l2():
-    """prefetch_l2(array, flat offset): ask L2 for the line holding that element."""
-    from llvmlite import ir
-    from numba.cuda.extending import intrinsic
-
-    @intrinsic
-    def prefetch_l2(typingctx, array, offset):
-        _check_flat(array, offset)
-
-        def codegen(context, builder, sig, args):
-            pointer = _element_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-            builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [pointer.type]), "prefetch.global.L2 [$0];", "l",
-                                      side_effect=True), [pointer])
-            return context.get_dummy_value()
-
-        return types.void(array, offset), codegen
-
-    return prefetch_l2
-
-
 def _gpu_async_copies():
     """copy_async, commit_copies and wait_copies[n] (n = 0 .. 7) as intrinsics."""
     from llvmlite import ir
@@ -569,9 +544,6 @@ load_shared = {n: _twin_load_words(n) if SIMULATED else _gpu_word_load(n, "share
 # cached in L2 only: words another CTA of the same launch wrote (after a threadfence) are
 # read as written, never from a stale L1 line (`epilogue`).
 load_coherent = _twin_load_bits if SIMULATED else _gpu_read("ld.global.cg.u32 $0, [$1];", 1, _element_pointer)
-# prefetch_l2(array, offset): bring the line of flat element `offset` into L2, no register
-# written (a decode warp asks for its later slabs while it multiplies the current ones).
-prefetch_l2 = _twin_prefetch_l2 if SIMULATED else _gpu_prefetch_l2()
 # copy_async(shared, i, source, j, source_bytes): 16 bytes from flat element j of a global
 # array to shared word i (both 16-byte aligned); bytes past source_bytes (0 or 16) are zero.
 # commit_copies() closes a group; wait_copies[n]() waits for all groups but the newest n.

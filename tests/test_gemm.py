@@ -9,7 +9,7 @@ from hypothesis import assume, given, settings, strategies as st
 
 from layouts import Quantized, formats
 from layouts.strategies import random_quantized, spec_for
-from numba_kernels import interop, ptx
+from numba_kernels import interop
 from numba_kernels.fragments import fast_path_supported, fragment_reader, lane_scales
 from numba_kernels.gemm import GemmTile, grouped_gemm, prefill_supported, reference_grouped_gemm
 from numba_kernels.weights import KernelWeights
@@ -190,44 +190,6 @@ def test_deferred_scales_per_group_give_the_same_products(spec, tile):
 
 
 @pytest.mark.parametrize("spec, tile", [
-    (formats.native(fp4=True), GemmTile(block_m=8, warps_k=2, slabs_per_warp=2, swap_ab=True, prefetch=1)),
-    (formats.native(4, 64), GemmTile(block_m=8, warps_k=1, slabs_per_warp=2, swap_ab=True, steady_loop=True,
-                                     prefetch=2)),
-    (formats.native(4, 32, zero_points=True), GemmTile(block_m=16, warps_k=1, slabs_per_warp=1, prefetch=3)),
-])
-def test_l2_prefetch_ahead_gives_the_same_products(spec, tile):
-    """K = 192 (12 slabs): prefetches run ahead of the fetches by whole batches, from the
-    run's start (the batches before the first prefetching fetch) to its end, never past it
-    (the simulator's prefetch checks its address)."""
-    assert_close(*run_case(spec, (2, 80, 192), tokens=3, top_k=2, tile=tile))
-
-
-@pytest.mark.skipif(not ptx.SIMULATED, reason="calls device functions from Python (simulator only)")
-@pytest.mark.parametrize("spec", [formats.native(fp4=True), formats.native(4, 64, zero_points=True)], ids=["nvfp4", "int4"])
-def test_prefetch_asks_for_the_lines_fetch_reads(spec, monkeypatch):
-    """For every slab, chunk and lane: the weight word and scale element the reader's
-    prefetch names are the first ones its fetch returns (so L2 holds what the batch reads)."""
-    n, k, experts = 128, 128, 2
-    weights = KernelWeights.from_physical(spec, spec.pack(random_quantized(spec, (experts, n, k),
-                                                                           np.random.default_rng(0))), (experts, n, k))
-    arrays = tuple(a.copy_to_host() if hasattr(a, "copy_to_host") else np.asarray(a) for a in weights.arrays())
-    reader = fragment_reader(spec, n, k, "bfloat16")
-    lines = []
-    monkeypatch.setattr(ptx, "prefetch_l2", lambda array, offset: lines.append((array, offset)))
-    raw = np.zeros(reader.raw_words, np.uint32)
-    words_per_lane = 4
-    for e, slab, chunk, lane in [(0, 0, 0, 0), (1, 5, 1, 31), (1, 7, 0, 13), (0, 2, 1, 6)]:
-        lines.clear()
-        reader.fetch(arrays, e, slab, chunk, lane, raw)
-        reader.prefetch(arrays, e, slab, chunk, lane)
-        (weight, weight_offset), (scales, scale_offset) = lines
-        assert weight is arrays[0] and scales is arrays[1]
-        assert weight.reshape(-1).view(np.uint32)[weight_offset] == raw[0]
-        first_scale = scales.reshape(-1)[scale_offset:scale_offset + 4 // scales.itemsize]
-        assert np.ascontiguousarray(first_scale).view(np.uint32)[0] == raw[words_per_lane]
-
-
-@pytest.mark.parametrize("spec, tile", [
     (formats.native(fp4=True), GemmTile(block_m=8, warps_k=1, slabs_per_warp=2, swap_ab=True, steady_loop=True)),
     (formats.native(4, 64), GemmTile(block_m=8, warps_k=1, slabs_per_warp=2, swap_ab=True, steady_loop=True)),
     (formats.native(4, 32, zero_points=True), GemmTile(block_m=16, warps_k=2, slabs_per_warp=1, steady_loop=True)),
@@ -360,8 +322,6 @@ def test_tile_parameters_are_validated():
         GemmTile(block_m=8, a_in_shared=True, swap_ab=True)
     with pytest.raises(ValueError, match="for decode tiles"):
         GemmTile(block_m=16, a_in_shared=True, steady_loop=True)
-    with pytest.raises(ValueError, match="prefetch is for decode tiles"):
-        GemmTile(block_m=16, a_in_shared=True, prefetch=1)
 
 
 @pytest.mark.gpu
@@ -372,7 +332,6 @@ def test_tile_parameters_are_validated():
     GemmTile(block_m=16, warps_k=4, slabs_per_warp=2, split_k=2),
     GemmTile(block_m=8, warps_k=4, slabs_per_warp=2, split_k=2, swap_ab=True),
     GemmTile(block_m=8, warps_k=4, slabs_per_warp=4, swap_ab=True, steady_loop=True),
-    GemmTile(block_m=8, warps_k=4, slabs_per_warp=4, swap_ab=True, prefetch=2),
     GemmTile(block_m=64, warps_m=1, warps_n=4, warps_k=1, slabs_per_warp=4, stages=2, a_in_shared=True),
     GemmTile(block_m=64, warps_m=1, warps_n=4, warps_k=1, slabs_per_warp=2, stages=4, a_in_shared=True),
     GemmTile(block_m=128, warps_m=2, warps_n=4, warps_k=1, slabs_per_warp=2, stages=3, a_in_shared=True),
