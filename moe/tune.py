@@ -84,8 +84,9 @@ def candidate_tiles(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTile
 def refine_candidates(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTile]:
     """Candidates for `--refine`: the tile the oracle now picks (tuned or heuristic) for the
     GEMM of reduction length `k` and, if it is a decode tile, that tile with each boolean
-    option flipped (steady_loop; fused_reduction when swapped): minutes instead of a full
-    tuning's tens of minutes, to re-check saved entries after a kernel gains an option."""
+    option flipped (steady_loop; fused_reduction when swapped) and with half and twice the
+    warps along K (registers and waves change with it): minutes instead of a full tuning's
+    tens of minutes, to re-check saved entries after a kernel or an option changes."""
     backend = select_backend(config, num_tokens, kernel_spec(config))
     tiles = []
     for tile, tile_k in ((backend.gemm1, config.hidden_size), (backend.gemm2, config.intermediate_size)):
@@ -93,6 +94,8 @@ def refine_candidates(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTi
             tiles.append(tile)
             if not tile.a_in_shared:
                 tiles.append(attrs.evolve(tile, steady_loop=not tile.steady_loop))
+                tiles += [attrs.evolve(tile, warps_k=warps_k) for warps_k in (tile.warps_k // 2, tile.warps_k * 2)
+                          if 1 <= warps_k <= 8]
             if tile.swap_ab:
                 tiles.append(attrs.evolve(tile, fused_reduction=not tile.fused_reduction))
     return tiles

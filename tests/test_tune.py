@@ -74,7 +74,8 @@ def test_refine_times_the_current_choice_and_its_flipped_options():
     mixtral = MoEConfig(num_experts=8, top_k=2, hidden_size=4096, intermediate_size=14336, quant=QuantScheme("nvfp4"))
     current = select_backend(mixtral, 1, kernel_spec(mixtral)).gemm1
     tiles = refine_candidates(1, mixtral, mixtral.hidden_size)
-    assert tiles[0] == current and len(set(tiles)) == len(tiles) == (3 if current.swap_ab else 2)
+    assert tiles[0] == current and len(set(tiles)) == len(tiles) == (5 if current.swap_ab else 4)
     assert {t.steady_loop for t in tiles} == {False, True}
+    assert {t.warps_k for t in tiles} == {current.warps_k // 2, current.warps_k, current.warps_k * 2}
     prefill = refine_candidates(4096, mixtral, mixtral.intermediate_size)
     assert len(prefill) == 1 and prefill[0].a_in_shared
