@@ -102,6 +102,10 @@ HALF_CONSTANTS = {
 # times 2**-FP4_DOWNSCALE, exact in either half type for every code and scale (at most
 # 21, at least 2**-17); the epilogue multiplies by 2**FP4_DOWNSCALE with the global scale.
 FP4_DOWNSCALE = 7
+# A ue5m3 scale made a half (`HalfConstants`) times the shifted e2m1 bits is the weight times
+# 2**(UE5M3_BIAS - 29) in either half type (float16: 2**(bias - 15) x 2**-14; bfloat16:
+# 2**(bias + 97) x 2**-126): the bias is what sets the downscale.
+assert UE5M3_BIAS - 29 == -FP4_DOWNSCALE
 
 
 def marlin_tile_bits(spec: QuantSpec) -> int | None:
@@ -291,9 +295,7 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
     magic_bits = uint32(constants.int4_magic & 0xFFFF)
     fixed_bits = int(ptx.round_to_half_bits(np.float64(-(constants.int4_magic_value + (spec.code.bias or 0))), half))
     fixed_offset_pair = uint32(fixed_bits | fixed_bits << 16)
-    # ue5m3 scale bytes, as half pairs in two instructions (`fp4_scales`); their bias makes
-    # the shifted e2m1 bits times them the weight times 2**-FP4_DOWNSCALE.
-    assert UE5M3_BIAS - 29 == -FP4_DOWNSCALE
+    # ue5m3 scale bytes, as half pairs in two instructions (`fp4_scales`).
     ue5m3_shift, ue5m3_top = constants.ue5m3_shift, uint32(constants.ue5m3_top * 0x01010101)
 
     @device
