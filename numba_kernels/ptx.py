@@ -207,7 +207,8 @@ def round_to_half_bits(values, half: str) -> np.ndarray:
         return values.astype(np.float16).view(np.uint16)
     mantissa, exponent = np.frexp(values)  # values = mantissa * 2**exponent, 0.5 <= |mantissa| < 1
     rounded = np.ldexp(np.round(mantissa * 256.0), exponent - 8)  # 8 significant bits, ties to even
-    bits = rounded.astype(np.float32).view(np.uint32) >> 16
+    with np.errstate(over="ignore"):  # past bfloat16's range: infinity, as the hardware rounds
+        bits = rounded.astype(np.float32).view(np.uint32) >> 16
     return np.where(np.isnan(values), 0x7FC0, bits).astype(np.uint16)
 
 
