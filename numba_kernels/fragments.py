@@ -38,9 +38,8 @@ scale then moves to the epilogue (`output_scale`), so an e2m1 code times its blo
 is exact in the half type. The native layout stores those scales as float8_ue5m3 bytes
 (no sign, 5 exponent bits): one ``prmt`` and one shift make two columns' scales a half
 pair, and one multiply per register applies both the scale and the e2m1 bits' exponent
-bias. Other
-scale layouts go through `column_params`, which reads the scales one by one when the
-group changes.
+bias. Other scale layouts go through `column_params`, which reads the scales one by one
+when the group changes.
 
 `DeferredScales` (4-bit integer codes with lane-contiguous 16-bit scales): decode at
 few tokens per expert is bound by instruction issue as much as by memory, and half of
