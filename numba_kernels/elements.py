@@ -90,9 +90,9 @@ def encode_ue5m3(x):
     if magnitude == 0 or magnitude > 0x7F800000:
         return uint32(UE5M3_BIAS << 3)
     exponent = magnitude >> 23
-    if exponent < 128 - UE5M3_BIAS:  # below 2**-21
+    if exponent < 127 + 1 - UE5M3_BIAS:  # below 2**-21 (exponent bits 1)
         return uint32(UE5M3_FIRST)
-    if exponent > 135:  # 512 and up
+    if exponent > 127 + 30 - UE5M3_BIAS:  # 512 and up (past exponent bits 30)
         return uint32(UE5M3_LAST)
     kept = (magnitude >> 20) - ((127 - UE5M3_BIAS) << 3)
     dropped = magnitude & 0xFFFFF

@@ -187,7 +187,7 @@ class LaneScales:
 
     groups: int  # scale rows per expert (ceil(K / group_size), 1 channel-wise)
     row_elements: int
-    scale_words: int  # 4 (16-bit scales) or 2 (fp8)
+    scale_words: int  # 4 (16-bit scales) or 2 (ue5m3 bytes)
     zero_row_words: int  # 0 without zero points
     zero_shifts: tuple[int, ...]
 
@@ -204,8 +204,8 @@ def lane_scales(spec: QuantSpec, n: int, k: int, half: str) -> LaneScales | None
     for every column and group, or None (then the reader reads scales one by one)."""
     if spec.g_idx_name is not None:
         return None
-    fp8 = spec.scale_format.name == "float8_ue5m3"  # NVFP4 block scales as the native layout stores them
-    if not (fp8 and isinstance(spec.code, E2M1)) and spec.scale_format.name != half:
+    ue5m3 = spec.scale_format.name == "float8_ue5m3"  # NVFP4 block scales as the native layout stores them
+    if not (ue5m3 and isinstance(spec.code, E2M1)) and spec.scale_format.name != half:
         return None
     if spec.code.bits == 8 and half == "bfloat16":
         return None
@@ -230,7 +230,7 @@ def lane_scales(spec: QuantSpec, n: int, k: int, half: str) -> LaneScales | None
                 and np.all(shifts == np.array(shift_of_slot)[m][None, :])):
             return None
         zero_shifts = tuple(shift_of_slot)
-    return LaneScales(groups, row_elements, 2 if fp8 else 4, zero_row_words, zero_shifts)
+    return LaneScales(groups, row_elements, 2 if ue5m3 else 4, zero_row_words, zero_shifts)
 
 
 def _group_of_slab(spec: QuantSpec):

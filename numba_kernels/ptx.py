@@ -195,9 +195,10 @@ def _halves_to_f64(words, half: str) -> np.ndarray:
     """(..., 2) float64 values of the low and high halves of uint32 words."""
     words = np.asarray(words, np.uint64).astype(np.uint32)
     pairs = np.stack([words & 0xFFFF, words >> 16], axis=-1).astype(np.uint16)
-    if half == "bfloat16":
-        return (pairs.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    return pairs.view(np.float16).astype(np.float64)
+    with np.errstate(invalid="ignore"):  # any bits, NaNs too (padding rows hold whatever was there)
+        if half == "bfloat16":
+            return (pairs.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        return pairs.view(np.float16).astype(np.float64)
 
 
 def round_to_half_bits(values, half: str) -> np.ndarray:
