@@ -151,6 +151,15 @@ def test_prefill_pipeline_at_every_group_size_code_width_and_stage_depth(spec, h
     assert_close(*run_case(spec, (2, 80, 96), tokens=3, top_k=2, tile=tile, half=half))
 
 
+@pytest.mark.parametrize("tile", [PREFILL, GemmTile(block_m=64, warps_k=1, slabs_per_warp=2, stages=2,
+                                                   a_in_shared=True)])
+def test_prefill_warps_of_several_row_tiles_with_padding_at_the_tail(tile):
+    """20 slots per expert: a warp's first 16-row tile full, the second 4 slots, the rest
+    padding."""
+    topk_ids = np.tile(np.array([[0, 1]], np.int32), (20, 1))
+    assert_close(*run_case(formats.native(4, 32), (2, 64, 64), tokens=20, top_k=2, tile=tile, topk_ids=topk_ids))
+
+
 def test_k_not_a_multiple_of_the_group_size():
     # intermediate 704 with group 128: the last group holds 64 input features
     assert_close(*run_case(formats.native(4, 128), (1, 64, 704), tokens=1, top_k=1, tile=DECODE))
