@@ -154,6 +154,11 @@ class FloatFormat:
                          "float8_e4m3": np.uint8, "float8_ue5m3": np.uint8}[self.name])
 
     @property
+    def byte_values(self) -> np.ndarray | None:
+        """float32 value of each stored byte (256 entries) for the float8 formats, else None."""
+        return {"float8_e4m3": E4M3_VALUES, "float8_ue5m3": UE5M3_VALUES}.get(self.name)
+
+    @property
     def signed(self) -> bool:
         """Whether the format holds negative scales and zero."""
         return self.name != "float8_ue5m3"
@@ -171,9 +176,8 @@ class FloatFormat:
         """float32 values of stored scales."""
         if self.name == "bfloat16":
             return bf16_decode(stored)
-        if self.name in ("float8_e4m3", "float8_ue5m3"):
-            table = E4M3_VALUES if self.name == "float8_e4m3" else UE5M3_VALUES
-            return table[np.asarray(stored, np.uint8)]
+        if self.byte_values is not None:
+            return self.byte_values[np.asarray(stored, np.uint8)]
         return np.asarray(stored).astype(np.float32)
 
     def __repr__(self) -> str:

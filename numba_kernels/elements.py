@@ -25,7 +25,7 @@ import numpy as np
 from numba import float32, int16, int32, uint8, uint32
 
 from layouts import E2M1, QuantSpec
-from layouts.encodings import E2M1_VALUES, E4M3_VALUES, UE5M3_BIAS, UE5M3_FIRST, UE5M3_LAST, UE5M3_VALUES, FloatFormat
+from layouts.encodings import E2M1_VALUES, UE5M3_BIAS, UE5M3_FIRST, UE5M3_LAST, FloatFormat
 
 from .ptx import device, f32_bits, half_to_f32, to_half
 
@@ -34,8 +34,8 @@ def scale_decoder(scale_format: FloatFormat):
     """Device function: one stored scale element -> float32."""
     if scale_format.name in ("bfloat16", "float16"):
         return half_to_f32(scale_format.name)
-    if scale_format.name in ("float8_e4m3", "float8_ue5m3"):
-        table = E4M3_VALUES if scale_format.name == "float8_e4m3" else UE5M3_VALUES
+    table = scale_format.byte_values
+    if table is not None:
 
         @device
         def decode_fp8(x):

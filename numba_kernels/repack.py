@@ -167,7 +167,7 @@ def make_repack_kernel(src_spec: QuantSpec, dst_spec: QuantSpec, n: int, k: int,
     same_scale_format = src_spec.scale_format == dst_spec.scale_format
     decode, encode = scale_decoder(src_spec.scale_format), scale_encoder(dst_spec.scale_format)
     src_position, dst_position = _position_in(src_spec.sort_k_by_group), _position_in(dst_spec.sort_k_by_group)
-    fold_signs = src_spec.scale_format.signed and not dst_spec.scale_format.signed
+    fold_signs = _folds_scale_signs(src_spec, dst_spec)
     read_scale, group_of = scale_reader(src_spec, n, k), group_reader(src_spec)
     has_zeros = dst_spec.zeros is not None
     write_zero = _word_writer(dst_spec.zeros.layout, (dst_rows, groups), zero_word_bits) if has_zeros else _no_write
@@ -205,6 +205,12 @@ def make_repack_kernel(src_spec: QuantSpec, dst_spec: QuantSpec, n: int, k: int,
                     write_zero(zero_words, e_dst, n_ + row_offset, group, (zero + zero_offset) & zero_mask)
 
     return repack_kernel
+
+
+def _folds_scale_signs(src_spec: QuantSpec, dst_spec: QuantSpec) -> bool:
+    """Whether repacking moves scale signs and zeros into the codes (a destination scale
+    format without them, from one with them)."""
+    return src_spec.scale_format.signed and not dst_spec.scale_format.signed
 
 
 @ptx.device
@@ -286,7 +292,7 @@ def repack(src: KernelWeights, dst_spec: QuantSpec, *, out: dict | None = None,
     dst_experts = slice(dst_first, dst_first + len(experts) * dst_step, dst_step)
     src_experts = torch.arange(src_first, src_first + len(experts) * src_step, src_step, device=interop.kernel_device())
 
-    if src.spec.scale_format.signed and not dst_spec.scale_format.signed:
+    if _folds_scale_signs(src.spec, dst_spec):
         _check_no_nan_scales(src, dst_spec, src_experts)
     src_positions, dst_positions = _act_order(src, dst_spec, out, src_experts, dst_experts)
     _global_scale(src, dst_spec, out, src_experts, dst_experts)
