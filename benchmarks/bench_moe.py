@@ -5,7 +5,8 @@ in the kernel layout, NVFP4) and token count M, it times with CUDA events, after
 with the L2 cache flushed before every run, the median of many runs of:
 
 * gemm_ms:  the two grouped GEMMs as the layer runs them (routing and alignment done
-            beforehand), replayed from a CUDA graph: a tile with `fused_reduction` also
+            beforehand; replayed launches, gemm2 launched early unless
+            NUMBA_MOE_EARLY_LAUNCH=0), from a CUDA graph: a tile with `fused_reduction` also
             finishes the reduction after it (activation, combine); at M <= 16 also
             gemm_plain_ms, the two GEMMs writing partials only (the earlier runs' gemm_ms);
 * layer_ms: the whole layer (routing to combine), replayed from a CUDA graph;
@@ -39,7 +40,7 @@ from moe import MoEConfig, MoEHooks, MoELayer, QuantScheme, check_inputs, prepar
 from moe.runner import fused_activation, fused_combine
 from numba_kernels import interop
 from numba_kernels.gemm import grouped_gemm
-from numba_kernels.launch import Launcher, recording
+from numba_kernels.launch import EARLY_LAUNCH, Launcher, recording
 
 SHAPES = {"qwen3": dict(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768),
           "mixtral": dict(num_experts=8, top_k=2, hidden_size=4096, intermediate_size=14336),
@@ -157,6 +158,21 @@ def captured(fn):
     return graph.replay
 
 
+def replayed(fn):
+    """`fn`'s kernel launches, recorded once and replayed as the layer replays its own
+    (`launch.Launcher`: a kernel that waits for the previous one is launched early)."""
+    with recording() as calls:
+        fn()
+    launchers = [Launcher(call) for call in calls]
+
+    def replay():
+        stream = interop.launch_stream_handle()
+        for launcher in launchers:
+            launcher.launch(stream)
+
+    return replay
+
+
 def weight_bytes(layer: MoELayer, touched: int) -> int:
     per_expert = (layer.weights.w13.nbytes() + layer.weights.w2.nbytes()) / layer.config.num_local_experts
     return int(per_expert * touched)
@@ -180,7 +196,7 @@ def bench_row(timer, layer, reference, tokens, generator, bandwidth, rate) -> di
         grouped_gemm(buffers.intermediate, layer.weights.w2, *alignment, num_slots=slots, tile=backend.gemm2,
                      out=buffers.gemm2_out, then=then2 if fused else None)
 
-    gemm_ms = timer(captured(gemms))
+    gemm_ms = timer(captured(replayed(gemms)))
     layer_ms = timer(captured(lambda: layer(hidden, logits)))
 
     touched = int(torch.unique(topk_ids).numel())
@@ -197,7 +213,7 @@ def bench_row(timer, layer, reference, tokens, generator, bandwidth, rate) -> di
                fraction_of_floor=floor_ms / gemm_ms, layer_over_gemm=layer_ms / gemm_ms, torch_ms=torch_ms,
                grouped_mm_ms=grouped_mm_ms, backend=repr(backend))
     if tokens <= 16:
-        row["gemm_plain_ms"] = timer(captured(lambda: gemms(fused=False)))
+        row["gemm_plain_ms"] = timer(captured(replayed(lambda: gemms(fused=False))))
         row["kernel_us"] = kernel_times(layer, hidden, logits, timer)
     if tokens == 1:
         row.update(eager_host(layer, hidden, logits))
@@ -257,7 +273,7 @@ def main(argv=None) -> None:
     bandwidth, rate = copy_bandwidth(timer), matmul_rate(timer)
     commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True).stdout.strip()
     header = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=commit,
-                  l2_flush=args.flush,
+                  l2_flush=args.flush, early_launch=EARLY_LAUNCH,
                   copy_bandwidth_TBps=bandwidth / 1e12, bf16_matmul_TFLOPs=rate / 1e12)
     print(json.dumps(header))
     print(REFERENCE_FIGURES)

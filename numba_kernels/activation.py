@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from numba import cuda, float32
 
-from .ptx import device, kernel
+from .ptx import device, kernel, wait_for_previous
 from .rows import (DTYPE_NAMES, ONE, ZERO, as_float64, check_partials, chunk_reader, chunk_size, chunk_writer, launch_rows,
                    output_tensor, source_array, target_array, vectorizable)
 
@@ -150,6 +150,7 @@ def make_activation_kernel(activation: Activation, source: str, target: str, vec
 
     @kernel
     def activation_kernel(gate_up, out, width):
+        wait_for_previous()  # launched early (rows.launch_rows): the partials are final from here
         x = cuda.local.array(inputs, float32)
         y = cuda.local.array(chunk, float32)
         col = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) * chunk

@@ -31,7 +31,7 @@ from numba import cuda, float32
 from . import interop
 from .rows import (DTYPE_NAMES, ONE, ZERO, as_float64, check_partials, chunk_reader, chunk_size, chunk_writer, launch_rows,
                    output_tensor, source_array, target_array, vectorizable)
-from .ptx import kernel
+from .ptx import kernel, wait_for_previous
 
 
 @functools.cache
@@ -45,6 +45,7 @@ def make_combine_kernel(source: str, target: str, vectorized: bool, weights_appl
 
     @kernel
     def combine_kernel(expert_out, topk_weights, out, width):
+        wait_for_previous()  # launched early (rows.launch_rows): the partials are final from here
         slot_sum = cuda.local.array(chunk, float32)
         total = cuda.local.array(chunk, float32)
         col = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) * chunk

@@ -14,6 +14,16 @@ and afterwards replays them with `Launcher.launch`: one `cuLaunchKernel` with a 
 buffer packed at record time. Arguments that change between calls (the user's inputs)
 are re-pointed in place with `Launcher.rebind`.
 
+A kernel whose wrapper launches it with `waits=True` calls `ptx.wait_for_previous`
+before it touches what earlier kernels wrote. A `Launcher` launches such a kernel
+with programmatic dependent launch (`cuLaunchKernelEx`, Hopper and later): its CTAs may
+start while the kernel before it finishes (once that one's CTAs have called
+`ptx.release_next` or exited), which hides the launch gap between a decode layer's
+kernels: 0.5 to 2.7 us per layer on the H200 (BENCHMARKS.md). Only the GEMM releases
+before it exits, after its main loop: CTAs waiting beside a running main loop, or
+beside the routing kernel, slowed the layer by up to 12 us. Set
+NUMBA_MOE_EARLY_LAUNCH=0 to launch them in plain stream order.
+
 This module is the only one that reaches below numba-cuda's public kernel API: it takes
 the compiled kernel from the documented `pre_launch_callbacks` hook, and packs the
 parameters with that kernel's own `_prepare_args` (numba-cuda 0.30), so the buffer
@@ -27,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import os
 import threading
 
 import attrs
@@ -34,20 +45,24 @@ import numpy as np
 import torch
 
 from . import interop
-from .ptx import SIMULATED
+from .ptx import SIMULATED, hopper
+
+EARLY_LAUNCH = os.environ.get("NUMBA_MOE_EARLY_LAUNCH", "1") != "0"
 
 
 @attrs.frozen(eq=False)
 class KernelCall:
     """One launch as a wrapper configured it: kernel, grid, block and kernel arguments
     (kernel arrays from `interop.to_kernel`, tuples of them, numpy or Python scalars).
-    `compiled` is numba's compiled kernel for these arguments (None when simulated)."""
+    `compiled` is numba's compiled kernel for these arguments (None when simulated);
+    `waits`: the kernel waits for the previous one itself (`ptx.wait_for_previous`)."""
 
     kernel: object
     grid: tuple
     block: tuple
     args: tuple
     compiled: object = None
+    waits: bool = False
 
 
 class _Recorder(threading.local):
@@ -73,8 +88,10 @@ def _dim3(value) -> tuple:
     return tuple(int(d) for d in dims) + (1,) * (3 - len(dims))
 
 
-def launch_kernel(kernel, grid, block, *args) -> None:
-    """`kernel[grid, block, torch's stream](*args)`, recorded inside `recording()`."""
+def launch_kernel(kernel, grid, block, *args, waits: bool = False) -> None:
+    """`kernel[grid, block, torch's stream](*args)`, recorded inside `recording()`.
+    `waits`: the kernel calls `ptx.wait_for_previous` before it reads or writes anything
+    an earlier kernel touches, so a replay may launch it early (module docstring)."""
     configured = kernel[grid, block, interop.launch_stream()]
     calls = _RECORDER.calls
     if calls is None:
@@ -85,7 +102,7 @@ def launch_kernel(kernel, grid, block, *args) -> None:
     if callbacks is not None:  # numba hands them the compiled kernel right before launching
         callbacks.append(lambda kernel_, _config: compiled.append(kernel_))
     configured(*args)
-    calls.append(KernelCall(kernel, _dim3(grid), _dim3(block), args, compiled[0] if compiled else None))
+    calls.append(KernelCall(kernel, _dim3(grid), _dim3(block), args, compiled[0] if compiled else None, waits))
 
 
 def data_pointer(array) -> int:
@@ -156,6 +173,7 @@ class Launcher:
                 self._check_array_fields(index, value)
         self._params = (ctypes.c_void_p * len(self._fields))(*[ctypes.addressof(f) for f in self._fields])
         self._params_address = ctypes.addressof(self._params)
+        self._early = _early_launch_config(self.grid, self.block) if call.waits and EARLY_LAUNCH and hopper() else None
 
     def _check_array_fields(self, index: int, array) -> None:
         start = self._starts[index]
@@ -179,7 +197,33 @@ class Launcher:
         if SIMULATED:
             self.kernel[self.grid, self.block](*self.args)
             return
-        (error,) = self._driver.cuLaunchKernel(self._function, *self.grid, *self.block, 0,
-                                               _driver_stream(stream_handle), self._params_address, 0)
+        if self._early is None:
+            (error,) = self._driver.cuLaunchKernel(self._function, *self.grid, *self.block, 0,
+                                                   _driver_stream(stream_handle), self._params_address, 0)
+        else:
+            self._early.hStream = _driver_stream(stream_handle)
+            (error,) = self._driver.cuLaunchKernelEx(self._early, self._function, self._params_address, 0)
         if error != self._driver.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"cuLaunchKernel failed: {error}")
+            raise RuntimeError(f"launching {self.kernel.py_func.__name__} failed: {error}")
+
+    @property
+    def early(self) -> bool:
+        """Whether this launch may start before the previous kernel ends (programmatic
+        dependent launch, module docstring)."""
+        return not SIMULATED and self._early is not None
+
+
+def _early_launch_config(grid: tuple, block: tuple):
+    """A `cuLaunchKernelEx` configuration with programmatic stream serialisation allowed
+    (the stream is set per launch)."""
+    from cuda.bindings import driver
+
+    attribute = driver.CUlaunchAttribute()
+    attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attribute.value.programmaticStreamSerializationAllowed = 1
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = block
+    config.sharedMemBytes = 0
+    config.attrs, config.numAttrs = [attribute], 1
+    return config

@@ -24,7 +24,17 @@ j, bytes)``                                                  without registers
 ``commit_copies()``      cp.async.commit_group               close a pipeline stage
 ``wait_copies[n]()``     cp.async.wait_group n               all but the newest n stages
 ``ldmatrix4(s, i)``      ldmatrix.sync.m8n8.x4.shared.b16    A fragments from shared
+``wait_for_previous()``  griddepcontrol.wait                 early-launched kernels
+``release_next()``       griddepcontrol.launch_dependents    let the next kernel start
 =======================  ==================================  ==========================
+
+The last two are Hopper instructions (sm_90) of *programmatic dependent launch*: a
+kernel launched with that attribute (`launch.Launcher`) may start while the kernel
+before it still runs, once that one's CTAs have all called ``release_next``;
+``wait_for_previous`` then blocks until the earlier kernel has finished and its writes
+are visible. A kernel so launched must wait before it reads anything an earlier kernel
+of the stream wrote, or writes anything one reads. On older GPUs, and under the
+simulator, both are no-ops (there kernels run in stream order anyway).
 
 Shared-memory addresses are flat word offsets into a ``uint32`` shared array (the
 helpers address it in the shared window, see `_shared_pointer`). The asynchronous copies
@@ -481,17 +491,21 @@ def _gpu_word_load(count: int, space: str):
     return _gpu_read(asm, count, _element_pointer if space == "global" else _shared_pointer)
 
 
+def _statement(asm, operand_types=(), constraints=""):
+    """Emitter of an instruction with no result, kept in place: a compiler barrier to memory."""
+    from llvmlite import ir
+
+    def emit(builder, operands=()):
+        clobbers = ",".join(filter(None, [constraints, "~{memory}"]))
+        builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), list(operand_types)), asm, clobbers,
+                                  side_effect=True), list(operands))
+    return emit
+
+
 def _gpu_async_copies():
     """copy_async, commit_copies and wait_copies[n] (n = 0 .. 7) as intrinsics."""
     from llvmlite import ir
     from numba.cuda.extending import intrinsic
-
-    def statement(asm, operand_types=(), constraints=""):
-        def emit(builder, operands=()):
-            clobbers = ",".join(filter(None, [constraints, "~{memory}"]))
-            builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), list(operand_types)), asm, clobbers,
-                                      side_effect=True), list(operands))
-        return emit
 
     @intrinsic
     def copy_async(typingctx, shared, shared_offset, source, source_offset, source_bytes):
@@ -502,7 +516,7 @@ def _gpu_async_copies():
             target = _shared_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
             origin = _element_pointer(context, builder, sig.args[2], args[2], sig.args[3], args[3])
             size = context.cast(builder, args[4], sig.args[4], types.uint32)
-            emit = statement("cp.async.cg.shared.global [$0], [$1], 16, $2;", (target.type, origin.type, ir.IntType(32)),
+            emit = _statement("cp.async.cg.shared.global [$0], [$1], 16, $2;", (target.type, origin.type, ir.IntType(32)),
                              "l,l,r")
             emit(builder, (target, origin, size))
             return context.get_dummy_value()
@@ -512,7 +526,7 @@ def _gpu_async_copies():
     @intrinsic
     def commit_copies(typingctx):
         def codegen(context, builder, sig, args):
-            statement("cp.async.commit_group;")(builder)
+            _statement("cp.async.commit_group;")(builder)
             return context.get_dummy_value()
 
         return types.void(), codegen
@@ -521,7 +535,7 @@ def _gpu_async_copies():
         @intrinsic
         def wait_copies(typingctx):
             def codegen(context, builder, sig, args):
-                statement(f"cp.async.wait_group {newest};")(builder)
+                _statement(f"cp.async.wait_group {newest};")(builder)
                 return context.get_dummy_value()
 
             return types.void(), codegen
@@ -529,6 +543,33 @@ def _gpu_async_copies():
         return wait_copies
 
     return copy_async, commit_copies, {n: wait(n) for n in range(8)}
+
+
+@functools.cache
+def hopper() -> bool:
+    """Whether the current GPU has the sm_90 instructions of programmatic dependent launch
+    (kernels compile for the current device)."""
+    return cuda.get_current_device().compute_capability >= (9, 0)
+
+
+def _gpu_grid_control(asm: str):
+    """An intrinsic () -> None emitting `asm` on Hopper and later, nothing before."""
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def control(typingctx):
+        def codegen(context, builder, sig, args):
+            if hopper():
+                _statement(asm)(builder)
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
+    return control
+
+
+def _twin_no_op():
+    pass
 
 
 # ---------------------------------------------------------------------------------------
@@ -553,6 +594,10 @@ copy_async, commit_copies, wait_copies = _twin_async_copies() if SIMULATED else 
 # ldmatrix4(shared, i): the warp's four 8x8 half matrices, lane l naming a row at word i.
 ldmatrix4 = _twin_ldmatrix4 if SIMULATED else _gpu_read(
     "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];", 4, _shared_pointer, collective=True)
+# Programmatic dependent launch (module docstring): wait_for_previous() blocks until the
+# kernel before has finished; release_next() lets the kernel after start launching.
+wait_for_previous = _twin_no_op if SIMULATED else _gpu_grid_control("griddepcontrol.wait;")
+release_next = _twin_no_op if SIMULATED else _gpu_grid_control("griddepcontrol.launch_dependents;")
 _load4 = load_words[4]
 # and_or(a, mask, bits) = (a & mask) | bits in one instruction (ptxas splits the pair when
 # both constants are immediates): the int4 code -> magic-half step of dequantisation.

@@ -187,12 +187,13 @@ def target_array(out: torch.Tensor, vectorized: bool):
 def launch_rows(row_kernel, rows: int, width: int, chunk: int, *args) -> None:
     """Launch a chunked row kernel over rows x width outputs on torch's stream. Few rows
     (decode) get blocks of down to MIN_BLOCK threads, so even one row spreads over several
-    SMs instead of queueing its loads on one."""
+    SMs instead of queueing its loads on one. A row kernel starts with
+    `ptx.wait_for_previous`, so a replay may launch it early (`launch`)."""
     chunks = -(-width // chunk)
     per_block = -(-chunks * rows // SPREAD_BLOCKS)
     block = min(BLOCK, -(-chunks // 32) * 32, max(MIN_BLOCK, -(-per_block // 32) * 32))
     grid = (-(-chunks // block), min(rows, MAX_GRID_Y))
-    launch_kernel(row_kernel, grid, block, *args)
+    launch_kernel(row_kernel, grid, block, *args, waits=True)
 
 
 def as_float64(value) -> np.ndarray:

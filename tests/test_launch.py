@@ -8,7 +8,7 @@ import pytest
 import torch
 from numba import cuda
 
-from numba_kernels import interop, ptx
+from numba_kernels import interop, launch, ptx
 from numba_kernels.launch import Launcher, launch_kernel, recording
 
 
@@ -92,3 +92,55 @@ def test_a_replay_costs_far_less_host_time_than_an_ordinary_launch():
     ordinary = host_time(lambda: launch_kernel(call.kernel, call.grid, call.block, *call.args))
     print(f"host time per launch (5 arrays): replay {lean * 1e6:.1f} us, numba {ordinary * 1e6:.1f} us")
     assert lean < ordinary / 2
+
+
+@ptx.kernel
+def _slow_producer(out, value):
+    """Lets the next kernel launch at once, then takes about 200 us before it writes."""
+    ptx.release_next()
+    for _ in range(200):
+        cuda.nanosleep(1000)
+    i = cuda.grid(1)
+    if i < out.shape[0]:
+        out[i] = value[0]
+
+
+@ptx.kernel
+def _early_consumer(source, out):
+    ptx.wait_for_previous()
+    ptx.release_next()
+    i = cuda.grid(1)
+    if i < out.shape[0]:
+        out[i] = source[i] + 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_graph", [False, True])
+def test_an_early_launched_kernel_waits_for_the_kernel_before_it(in_graph):
+    """A kernel launched with `waits=True` may start while its predecessor runs (on
+    Hopper: `Launcher.early`), and still reads what that predecessor wrote, eagerly and
+    from a CUDA graph. Without the wait the consumer reads the producer's old values."""
+    n = 4096
+    data, result, value_in = torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda"), torch.ones(1, device="cuda")
+    to = interop.to_kernel
+    with recording() as calls:
+        launch_kernel(_slow_producer, n // 128, 128, to(data), to(value_in))
+        launch_kernel(_early_consumer, n // 128, 128, to(data), to(result), waits=True)
+    torch.cuda.synchronize()
+    producer, consumer = (Launcher(call) for call in calls)
+    assert consumer.early == (ptx.hopper() and launch.EARLY_LAUNCH) and not producer.early
+    for value in (2.0, 3.0):
+        value_in.fill_(value)
+        data.zero_()
+        stream = interop.launch_stream_handle()
+        if in_graph:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                producer.launch(interop.launch_stream_handle())
+                consumer.launch(interop.launch_stream_handle())
+            graph.replay()
+        else:
+            producer.launch(stream)
+            consumer.launch(stream)
+        torch.cuda.synchronize()
+        assert torch.all(result == value + 1.0), f"read {result.unique().tolist()}"

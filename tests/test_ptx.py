@@ -241,3 +241,20 @@ def test_ldmatrix_gives_the_mma_a_fragments_of_a_padded_shared_tile():
     g, t = np.arange(32) // 4, np.arange(32) % 4
     expected = np.stack([a_words[g, t], a_words[g + 8, t], a_words[g, t + 4], a_words[g + 8, t + 4]], axis=1)
     np.testing.assert_array_equal(frags, expected)
+
+
+
+def test_grid_dependency_controls_leave_a_kernel_s_results_alone():
+    """`wait_for_previous` and `release_next` compile and run anywhere (no-ops before
+    Hopper and under the simulator); `test_launch` checks what they order on the GPU."""
+    @ptx.kernel
+    def wait_release_copy(words, out):
+        ptx.wait_for_previous()
+        i = cuda.threadIdx.x
+        ptx.release_next()
+        out[i] = words[i] + 1
+
+    words = np.arange(16, dtype=np.int32)
+    out = cuda.to_device(np.zeros(16, np.int32))
+    wait_release_copy[1, 16](cuda.to_device(words), out)
+    assert np.array_equal(out.copy_to_host(), words + 1)

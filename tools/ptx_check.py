@@ -9,7 +9,7 @@ inlined, before any device time is spent.
 Needs libNVVM (the CUDA toolkit), NVRTC and nvJitLink:
     pip install "nvidia-cuda-nvrtc==13.0.*" "nvidia-nvjitlink==13.0.*"
 It reaches into numba-cuda in one place: compilation asks the current device for its
-compute capability, so a stand-in context answers (9, 0). A dev tool, not a dependency.
+compute capability, so a stand-in context answers (9, 0) (to `numba_kernels.ptx.hopper` too). A dev tool, not a dependency.
 
     from tools.ptx_check import compile_kernel
     result = compile_kernel(my_kernel, *example_args)      # numpy example arguments
@@ -34,7 +34,7 @@ import numba.cuda.dispatcher as _dispatcher
 
 _FAKE_CONTEXT = types.SimpleNamespace(device=types.SimpleNamespace(compute_capability=(9, 0), id=0))
 _devices.get_context = lambda devnum=None: _FAKE_CONTEXT
-_dispatcher.get_current_device = lambda: _FAKE_CONTEXT.device
+_dispatcher.get_current_device = numba.cuda.get_current_device = lambda: _FAKE_CONTEXT.device
 
 CC = (9, 0, "a")
 
