@@ -30,7 +30,7 @@ j, bytes)``                                                  without registers
 
 The last two are Hopper instructions (sm_90) of *programmatic dependent launch*: a
 kernel launched with that attribute (`launch.Launcher`) may start while the kernel
-before it still runs, once that one's CTAs have all called ``release_next``;
+before it still runs, once that one's CTAs have all called ``release_next`` or exited;
 ``wait_for_previous`` then blocks until the earlier kernel has finished and its writes
 are visible. A kernel so launched must wait before it reads anything an earlier kernel
 of the stream wrote, or writes anything one reads. On older GPUs, and under the
@@ -547,8 +547,8 @@ def _gpu_async_copies():
 
 @functools.cache
 def hopper() -> bool:
-    """Whether the current GPU has the sm_90 instructions of programmatic dependent launch
-    (kernels compile for the current device)."""
+    """Whether the GPU has the sm_90 instructions of programmatic dependent launch (kernels
+    compile for the current device; the first one asked answers for the process)."""
     return cuda.get_current_device().compute_capability >= (9, 0)
 
 
