@@ -1,6 +1,7 @@
 """A recorded launch replays exactly as the ordinary Numba launch ran, with arrays
 re-pointed in place, and costs far less host time on the GPU."""
 
+import contextlib
 import time
 
 import numpy as np
@@ -132,15 +133,12 @@ def test_an_early_launched_kernel_waits_for_the_kernel_before_it(in_graph):
     for value in (2.0, 3.0):
         value_in.fill_(value)
         data.zero_()
-        stream = interop.launch_stream_handle()
-        if in_graph:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                producer.launch(interop.launch_stream_handle())
-                consumer.launch(interop.launch_stream_handle())
-            graph.replay()
-        else:
+        graph = torch.cuda.CUDAGraph() if in_graph else None
+        with torch.cuda.graph(graph) if in_graph else contextlib.nullcontext():
+            stream = interop.launch_stream_handle()  # the capturing stream inside the graph
             producer.launch(stream)
             consumer.launch(stream)
+        if in_graph:
+            graph.replay()
         torch.cuda.synchronize()
         assert torch.all(result == value + 1.0), f"read {result.unique().tolist()}"

@@ -9,7 +9,8 @@ inlined, before any device time is spent.
 Needs libNVVM (the CUDA toolkit), NVRTC and nvJitLink:
     pip install "nvidia-cuda-nvrtc==13.0.*" "nvidia-nvjitlink==13.0.*"
 It reaches into numba-cuda in one place: compilation asks the current device for its
-compute capability, so a stand-in context answers (9, 0) (to `numba_kernels.ptx.hopper` too). A dev tool, not a dependency.
+compute capability, so a stand-in context answers (9, 0), to `numba_kernels.ptx.hopper`
+too. A dev tool, not a dependency.
 
     from tools.ptx_check import compile_kernel
     result = compile_kernel(my_kernel, *example_args)      # numpy example arguments
