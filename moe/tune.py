@@ -76,8 +76,9 @@ def candidate_tiles(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTile
                         tiles.append(attrs.evolve(decode, split_k=split_k, fused_reduction=True))
     if per_expert > 4:
         for block_m, warps_m, warps_n, depth, stages in PREFILL_SHAPES:
-            tiles.append(GemmTile(block_m=block_m, warps_m=warps_m, warps_n=warps_n, warps_k=1, slabs_per_warp=depth,
-                                  stages=stages, a_in_shared=True))
+            for chunks_first in (False, True):  # which operand the L2 keeps for the CTAs running together
+                tiles.append(GemmTile(block_m=block_m, warps_m=warps_m, warps_n=warps_n, warps_k=1,
+                                      slabs_per_warp=depth, stages=stages, a_in_shared=True, chunks_first=chunks_first))
     return tiles
 
 
@@ -85,13 +86,14 @@ def refine_candidates(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTi
     """Candidates for `--refine`: the tile the oracle now picks (tuned or heuristic) for the
     GEMM of reduction length `k` and, if it is a decode tile, that tile with each boolean
     option flipped (steady_loop; fused_reduction when swapped) and with half and twice the
-    warps along K (registers and waves change with it): minutes instead of a full tuning's
-    tens of minutes, to re-check saved entries after a kernel or an option changes."""
+    warps along K (registers and waves change with it), and any tile in the other CTA
+    order (chunks_first): minutes instead of a full tuning's tens of minutes, to re-check
+    saved entries after a kernel or an option changes."""
     backend = select_backend(config, num_tokens, kernel_spec(config))
     tiles = []
     for tile, tile_k in ((backend.gemm1, config.hidden_size), (backend.gemm2, config.intermediate_size)):
         if tile_k == k:
-            tiles.append(tile)
+            tiles += [tile, attrs.evolve(tile, chunks_first=not tile.chunks_first)]
             if not tile.a_in_shared:
                 tiles.append(attrs.evolve(tile, steady_loop=not tile.steady_loop))
                 tiles += [attrs.evolve(tile, warps_k=warps_k) for warps_k in (tile.warps_k // 2, tile.warps_k * 2)

@@ -97,6 +97,11 @@ class GemmTile:
     steady_loop:    decode: while whole batches remain, run a copy of the main loop without
                     the per-slab range checks (fewer instructions per slab where
                     dequantisation is issue-bound, but more code and registers).
+    chunks_first:   the order CTAs start in: all output chunks of a token block before the
+                    next block (its activation rows come from DRAM once, read by CTAs that
+                    run together), rather than all blocks of a chunk first (an expert's
+                    weight chunk is shared by its blocks that run together). Which order
+                    keeps more in L2 depends on the sizes: the tuner times both.
     """
 
     block_m: int = attrs.field(default=16, validator=_positive_power_of_two)
@@ -111,6 +116,7 @@ class GemmTile:
     swap_ab: bool = False
     fused_reduction: bool = False
     steady_loop: bool = False
+    chunks_first: bool = False
 
     def __attrs_post_init__(self):
         for option in ("fused_reduction", "steady_loop"):
@@ -137,10 +143,13 @@ class GemmTile:
         return self.warps_k * self.slabs_per_warp
 
     def grid(self, num_blocks: int, n: int) -> tuple[int, int, int]:
-        return num_blocks, -(-n // self.block_n), self.split_k
+        """(x, y, z) CTAs: token blocks and output chunks in `chunks_first` order, K splits."""
+        chunks = -(-n // self.block_n)
+        return (chunks, num_blocks, self.split_k) if self.chunks_first else (num_blocks, chunks, self.split_k)
 
 
 SHARED_MEMORY_BYTES = 48 * 1024  # static shared memory a kernel may declare
+MAX_GRID_YZ = 65535  # CTAs a grid may have along y and along z
 
 
 @functools.cache
@@ -163,6 +172,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     copy_async, ldmatrix4 = ptx.copy_async, ptx.ldmatrix4
     stored_k = logical_k(spec)
     block_m, threads, a_in_shared, stages = tile.block_m, tile.threads, tile.a_in_shared, tile.stages
+    chunks_first = tile.chunks_first
     warps_n, warps_k, depth, stage_slabs = tile.warps_n, tile.warps_k, tile.slabs_per_warp, tile.stage_slabs
     warp_rows = block_m // tile.warps_m
     swap_ab = tile.swap_ab
@@ -461,20 +471,12 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     def grouped_gemm(act, weights, sorted_ids, expert_ids, num_post_padded, topk_weights, out, reduced, arrivals,
                      num_slots, rows_div):
         ptx.wait_for_previous()  # launched early (launch.Launcher): the alignment and act are final from here
-        block = cuda.blockIdx.x
-        if block * block_m >= num_post_padded[0]:
-            return
+        block, column = (cuda.blockIdx.y, cuda.blockIdx.x) if chunks_first else (cuda.blockIdx.x, cuda.blockIdx.y)
         tid = cuda.threadIdx.x
-        lane, warp = tid % 32, tid // 32
-        g, t = lane // 4, lane % 4
-        wk = warp % warps_k
-        wn = (warp // warps_k) % warps_n
-        wm = warp // (warps_k * warps_n)
-        first_row = wm * warp_rows
-        chunk = cuda.blockIdx.y * warps_n + wn
-        split = cuda.blockIdx.z
+        # The block's expert and slots are loaded beside the count of blocks in use, not
+        # after it: one round trip to memory before the weights' addresses are known, not
+        # two (past the count the loads read stale ids that are never used).
         expert = expert_ids[block]
-
         slots = cuda.shared.array(block_m, int32)
         for i in range(tid, block_m, threads):
             position = block * block_m + i
@@ -482,7 +484,17 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
             if position < sorted_ids.shape[0]:
                 slot = sorted_ids[position]
             slots[i] = slot
+        if block * block_m >= num_post_padded[0]:
+            return
         cuda.syncthreads()
+        lane, warp = tid % 32, tid // 32
+        g, t = lane // 4, lane % 4
+        wk = warp % warps_k
+        wn = (warp // warps_k) % warps_n
+        wm = warp // (warps_k * warps_n)
+        first_row = wm * warp_rows
+        chunk = column * warps_n + wn
+        split = cuda.blockIdx.z
 
         acc = cuda.local.array((acc_i, acc_j, 4), float32)
         for i in range(acc_i):
@@ -503,7 +515,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                 a_slab = cuda.local.array(a_copies, uint32)
                 plan_activation_copies(slots, num_slots, rows_div, tid, a_source, a_target, a_slab)
                 w_source = cuda.local.array(w_copies, int64)
-                plan_weights(expert, cuda.blockIdx.y * warps_n, tid, w_source)
+                plan_weights(expert, column * warps_n, tid, w_source)
                 a_lane = (first_row + lane % 16) * row_words + 4 * (lane // 16)
                 # Operands of two slabs live in registers: slot d % 2 is multiplied while the
                 # next slab's are loaded and decoded. The stage's barrier comes before its last
@@ -614,7 +626,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                                         store(out, split, slot, col + c, acc[mt, nt, 2 * r + c] * weight)
 
         if finishes:
-            finish(out, reduced, arrivals, topk_weights, slots, num_slots, block, cuda.blockIdx.y, tid)
+            finish(out, reduced, arrivals, topk_weights, slots, num_slots, block, column, tid)
 
     return grouped_gemm
 
@@ -713,6 +725,9 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
     kernel = make_grouped_gemm(weights.spec, n, k, tile, half, partial_output, topk_weights is not None, pairs,
                                None if then is None else then.kind)
     grid = tile.grid(expert_ids.shape[0], n)
+    if max(grid[1:]) > MAX_GRID_YZ:
+        raise ValueError(f"{tile} needs a grid of {grid} CTAs: y and z may not exceed {MAX_GRID_YZ} "
+                         f"(fewer token blocks: a larger block_m, or chunks_first=False)")
     out_words = out.view(torch.int32) if stores_pairs(tile, n, partial_output) else out
     launch_kernel(
         kernel, grid, tile.threads,

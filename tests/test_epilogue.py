@@ -1,6 +1,7 @@
 """A GEMM that finishes its own reduction (`then=`) writes exactly what the separate
 kernel computes from the same partials, bit for bit, and leaves its counters at zero."""
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -61,7 +62,7 @@ def test_fused_activation_equals_the_activation_kernel(tile, activation, n):
     assert not counters.any()  # zeros again for the next call
 
 
-@pytest.mark.parametrize("tile", [SPLIT, SWAP_SPLIT])
+@pytest.mark.parametrize("tile", [SPLIT, SWAP_SPLIT, attrs.evolve(SWAP_SPLIT, chunks_first=True)])
 def test_fused_combine_equals_the_combine_kernel(tile):
     tokens, top_k, n = 3, 2, 96
     weights, act, alignment, topk_ids, topk_weights = setup((4, n, 32), tokens=tokens, top_k=top_k, tile=tile,

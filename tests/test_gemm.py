@@ -2,6 +2,7 @@
 weights in any spec (the fast Marlin-tile path and the index-map path), every tile shape,
 and the cases the engines got wrong."""
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -10,6 +11,7 @@ from hypothesis import assume, given, settings, strategies as st
 from layouts import Quantized, formats
 from layouts.strategies import random_quantized, spec_for
 from numba_kernels import interop
+from numba_kernels.align import moe_align_block_size
 from numba_kernels.fragments import fast_path_supported, fragment_reader, lane_scales
 from numba_kernels.gemm import GemmTile, grouped_gemm, prefill_supported, reference_grouped_gemm
 from numba_kernels.weights import KernelWeights
@@ -158,6 +160,24 @@ def test_prefill_warps_of_several_row_tiles_with_padding_at_the_tail(tile):
     padding."""
     topk_ids = np.tile(np.array([[0, 1]], np.int32), (20, 1))
     assert_close(*run_case(formats.native(4, 32), (2, 64, 64), tokens=20, top_k=2, tile=tile, topk_ids=topk_ids))
+
+
+@pytest.mark.parametrize("tile", [PREFILL, SPLIT])
+def test_cta_order_changes_no_output_bit(tile):
+    """chunks_first only reorders the grid: every CTA computes what it did before."""
+    shape, spec = (3, 160, 64), formats.native(4, 32)
+    weights = KernelWeights.from_physical(spec, spec.pack(random_quantized(spec, shape, np.random.default_rng(1))),
+                                          shape)
+    device = interop.kernel_device()
+    act = torch.randn(4, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).to(device)
+    topk_ids = torch.tensor([[0, 2], [1, 2], [2, 0], [0, 1]], dtype=torch.int32, device=device)
+    alignment = moe_align_block_size(topk_ids, tile.block_m, shape[0], check_ids=False)
+    outs = [grouped_gemm(act, weights, *alignment, num_slots=8, tile=attrs.evolve(tile, chunks_first=first))
+            for first in (False, True)]
+    chunks = -(-160 // tile.block_n)
+    assert (tile.grid(5, 160), attrs.evolve(tile, chunks_first=True).grid(5, 160)) == (
+        (5, chunks, tile.split_k), (chunks, 5, tile.split_k))
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_k_not_a_multiple_of_the_group_size():
@@ -342,7 +362,8 @@ def test_tile_parameters_are_validated():
     GemmTile(block_m=8, warps_k=4, slabs_per_warp=2, split_k=2, swap_ab=True),
     GemmTile(block_m=8, warps_k=4, slabs_per_warp=4, swap_ab=True, steady_loop=True),
     GemmTile(block_m=64, warps_m=1, warps_n=4, warps_k=1, slabs_per_warp=4, stages=2, a_in_shared=True),
-    GemmTile(block_m=64, warps_m=1, warps_n=4, warps_k=1, slabs_per_warp=2, stages=4, a_in_shared=True),
+    GemmTile(block_m=64, warps_m=1, warps_n=4, warps_k=1, slabs_per_warp=2, stages=4, a_in_shared=True,
+             chunks_first=True),
     GemmTile(block_m=128, warps_m=2, warps_n=4, warps_k=1, slabs_per_warp=2, stages=3, a_in_shared=True),
     GemmTile(block_m=64, warps_m=2, warps_n=4, warps_k=1, slabs_per_warp=2, stages=3, split_k=2, a_in_shared=True)])
 @pytest.mark.parametrize("spec", [formats.native(4, 128), formats.native(fp4=True)], ids=["int4", "nvfp4"])

@@ -3,6 +3,7 @@ table, and the oracle then picks the tuned backend."""
 
 import io
 
+import attrs
 import pytest
 
 import moe.oracle
@@ -59,6 +60,8 @@ def test_candidates_are_valid_tiles_of_the_right_family(tokens):
     per_expert = tokens * 8 / 128
     assert any(t.a_in_shared for t in tiles) == (per_expert > 4)
     assert any(not t.a_in_shared for t in tiles) == (per_expert <= 64)
+    prefill = {t for t in tiles if t.a_in_shared}  # each prefill shape in both CTA orders
+    assert {attrs.evolve(t, chunks_first=not t.chunks_first) for t in prefill} == prefill
 
 
 def test_progress_bar_counts_to_the_total():
@@ -74,8 +77,10 @@ def test_refine_times_the_current_choice_and_its_flipped_options():
     mixtral = MoEConfig(num_experts=8, top_k=2, hidden_size=4096, intermediate_size=14336, quant=QuantScheme("nvfp4"))
     current = select_backend(mixtral, 1, kernel_spec(mixtral)).gemm1
     tiles = refine_candidates(1, mixtral, mixtral.hidden_size)
-    assert tiles[0] == current and len(set(tiles)) == len(tiles) == (5 if current.swap_ab else 4)
+    assert tiles[0] == current and len(set(tiles)) == len(tiles) == (6 if current.swap_ab else 5)
     assert {t.steady_loop for t in tiles} == {False, True}
+    assert {t.chunks_first for t in tiles} == {False, True}
     assert {t.warps_k for t in tiles} == {current.warps_k // 2, current.warps_k, current.warps_k * 2}
     prefill = refine_candidates(4096, mixtral, mixtral.intermediate_size)
-    assert len(prefill) == 1 and prefill[0].a_in_shared
+    assert len(prefill) == 2 and all(t.a_in_shared for t in prefill)
+    assert prefill[1] == attrs.evolve(prefill[0], chunks_first=not prefill[0].chunks_first)
