@@ -259,13 +259,15 @@ class BuiltBackend:
 
 def build_backend(config: MoEConfig, backend: Backend, spec1: QuantSpec, spec2: QuantSpec) -> BuiltBackend:
     """Compile (once, cached) the two GEMMs `backend` names, for gemm1 weights in `spec1`
-    and gemm2 weights in `spec2`."""
+    and gemm2 weights in `spec2`, as the layer runs them (gemm2's alignment is ready
+    before gemm1 starts)."""
     h, i, n1 = config.hidden_size, config.intermediate_size, config.gate_up_size
     half = config.dtype
 
-    def build(spec, n, k, tile, fused):
-        return make_grouped_gemm(spec, n, k, tile, half, writes_partials(tile), False, pair_loads(k, spec), fused)
+    def build(spec, n, k, tile, fused, alignment_ready):
+        return make_grouped_gemm(spec, n, k, tile, half, writes_partials(tile), False, pair_loads(k, spec), fused,
+                                 alignment_ready)
 
-    gemm1 = build(spec1, n1, h, backend.gemm1, fused_activation_kind(config, backend.gemm1))
-    gemm2 = build(spec2, h, i, backend.gemm2, fused_combine_kind(config, backend.gemm2))
+    gemm1 = build(spec1, n1, h, backend.gemm1, fused_activation_kind(config, backend.gemm1), False)
+    gemm2 = build(spec2, h, i, backend.gemm2, fused_combine_kind(config, backend.gemm2), True)
     return BuiltBackend(backend, gemm1, gemm2, fast_path_supported(spec1, half) and fast_path_supported(spec2, half))

@@ -180,7 +180,7 @@ def run(prepared: Prepared, weights: ExpertWeights, hooks: MoEHooks | None = Non
     step = GemmStep("gemm2", buffers.intermediate, buffers.gemm2_out, prepared.topk_ids, 1)
     hooks.pre_gemm(step)
     grouped_gemm(buffers.intermediate, weights.w2, *alignment, num_slots=slots, tile=backend.gemm2,
-                 out=buffers.gemm2_out, then=then2)
+                 out=buffers.gemm2_out, then=then2, alignment_ready=True)  # aligned before gemm1
     hooks.post_gemm(step)
     if then2 is None:
         combine(buffers.gemm2_out, prepared.topk_weights, out=buffers.output)

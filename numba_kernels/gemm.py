@@ -154,7 +154,8 @@ MAX_GRID_YZ = 65535  # CTAs a grid may have along y and along z
 
 @functools.cache
 def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str, partial_output: bool,
-                      mul_routed_weight: bool, pair_loads: bool = False, fused: tuple | None = None):
+                      mul_routed_weight: bool, pair_loads: bool = False, fused: tuple | None = None,
+                      alignment_ready: bool = False):
     """The grouped GEMM for weights stored as `spec` (logical (n, k) per expert), `half`
     activations, `tile`; float32 partials or `half` outputs; `fused` (the `kind` of an
     `epilogue.FusedActivation` or `FusedCombine`): the partials' reduction, finished by
@@ -163,7 +164,12 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     The kernel takes activations as a 3-D (1, rows, cols) array: int32 half pairs
     (cols = K / 2) with `pair_loads`, else int16 halves (cols = K; odd K, or K sorted by
     act-order groups, which gathers each element). A prefill tile (`a_in_shared`) needs
-    pairs, rows 16-byte aligned and weights that `fragments.staging_supported` accepts."""
+    pairs, rows 16-byte aligned and weights that `fragments.staging_supported` accepts.
+
+    `alignment_ready`: the alignment was final before the kernel launched ahead of this
+    one started (the layer's gemm2: aligned before gemm1). Launched early, a decode tile
+    then reads it and issues its first weight loads before waiting for that kernel, so they
+    overlap its tail; only the activations wait."""
     reader = fragment_reader(spec, n, k, half)
     group_of_slab, column_params, fetch, decode = reader.group_of_slab, reader.column_params, reader.fetch, reader.decode
     output_scale, load_word = reader.output_scale, ptx.load_words[1]
@@ -173,6 +179,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     stored_k = logical_k(spec)
     block_m, threads, a_in_shared, stages = tile.block_m, tile.threads, tile.a_in_shared, tile.stages
     chunks_first = tile.chunks_first
+    early_weights = alignment_ready and not a_in_shared  # prefill's first copies include activations
     warps_n, warps_k, depth, stage_slabs = tile.warps_n, tile.warps_k, tile.slabs_per_warp, tile.stage_slabs
     warp_rows = block_m // tile.warps_m
     swap_ab = tile.swap_ab
@@ -276,23 +283,32 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
             return load_word(act, row + slab * (SLAB_K // 2) + 4 * r)
         return activation_pair(act, weights[4], expert, row, slab * SLAB_K + 2 * t + 8 * r)
 
-    def batch_steps(checked: bool):
-        """fetch_batch and two_batches for `depth` slabs per batch; `checked`: skip the
-        slabs at or past end_slab (a run's last batches), else every slab is in range and
-        short of the run's last (`GemmTile.steady_loop`: no per-slab compare and branch)."""
+    def batch_fetcher(checked: bool, weight_words: bool = True, a_words: bool = True):
+        """fetch_batch(act, weights, expert, first_slab, end_slab, chunk, lane, rows, raw,
+        a_raw): issue the loads of `depth` slabs (first_slab + d), their weight words and/or
+        A words; `checked`: see batch_steps."""
 
         @ptx.device
         def fetch_batch(act, weights, expert, first_slab, end_slab, chunk, lane, rows, raw, a_raw):
-            """Issue the loads of `depth` slabs (first_slab + d): weight and A words."""
             t = lane % 4
             for d in range(depth):
                 slab = first_slab + d
                 if not checked or slab < end_slab:
-                    fetch(weights, expert, slab, chunk, lane, raw[d])
-                    for mt in range(m_tiles):  # word w: row w % row_halves at k + 8 (w // row_halves)
-                        for w in range(2 * row_halves):  # A: a0..a3; swapped B: b0, b1 of slot g
-                            a_raw[d, mt, w] = a_word(act, weights, expert, rows[mt, w % row_halves], slab, t,
-                                                     w // row_halves)
+                    if weight_words:
+                        fetch(weights, expert, slab, chunk, lane, raw[d])
+                    if a_words:
+                        for mt in range(m_tiles):  # word w: row w % row_halves at k + 8 (w // row_halves)
+                            for w in range(2 * row_halves):  # A: a0..a3; swapped B: b0, b1 of slot g
+                                a_raw[d, mt, w] = a_word(act, weights, expert, rows[mt, w % row_halves], slab, t,
+                                                         w // row_halves)
+
+        return fetch_batch
+
+    def batch_steps(checked: bool):
+        """fetch_batch and two_batches for `depth` slabs per batch; `checked`: skip the
+        slabs at or past end_slab (a run's last batches), else every slab is in range and
+        short of the run's last (`GemmTile.steady_loop`: no per-slab compare and branch)."""
+        fetch_batch = batch_fetcher(checked)
 
         @ptx.device
         def multiply_batch(weights, expert, first_slab, end_slab, chunk, lane, raw, a_raw, params, frags, group, acc,
@@ -327,6 +343,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         return fetch_batch, two_batches
 
     (fetch_batch, two_batches), (_, two_whole_batches) = batch_steps(True), batch_steps(False)
+    fetch_weight_words, fetch_a_words = batch_fetcher(True, a_words=False), batch_fetcher(True, weight_words=False)
     steady_loop = tile.steady_loop
 
     @ptx.device
@@ -470,7 +487,8 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     @ptx.kernel
     def grouped_gemm(act, weights, sorted_ids, expert_ids, num_post_padded, topk_weights, out, reduced, arrivals,
                      num_slots, rows_div):
-        ptx.wait_for_previous()  # launched early (launch.Launcher): the alignment and act are final from here
+        if not early_weights:
+            ptx.wait_for_previous()  # launched early (launch.Launcher): the alignment and act are final from here
         block, column = (cuda.blockIdx.y, cuda.blockIdx.x) if chunks_first else (cuda.blockIdx.x, cuda.blockIdx.y)
         tid = cuda.threadIdx.x
         # The block's expert and slots are loaded beside the count of blocks in use, not
@@ -571,7 +589,12 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                     a_sum[c] = float32(0.0)
                 slab_a = start_slab + wk * warp_run
                 own_end = min(slab_a + warp_run, weight_end)
-                fetch_batch(act, weights, expert, slab_a, own_end, chunk, lane, rows, raw_a, a_raw_a)
+                if early_weights:  # the first weights load while the kernel before this one finishes
+                    fetch_weight_words(act, weights, expert, slab_a, own_end, chunk, lane, rows, raw_a, a_raw_a)
+                    ptx.wait_for_previous()
+                    fetch_a_words(act, weights, expert, slab_a, own_end, chunk, lane, rows, raw_a, a_raw_a)
+                else:
+                    fetch_batch(act, weights, expert, slab_a, own_end, chunk, lane, rows, raw_a, a_raw_a)
                 if steady_loop:  # while both batches and the next are whole: no per-slab checks
                     while slab_a + 3 * depth <= own_end:
                         slab_a, group = two_whole_batches(act, weights, expert, slab_a, own_end, chunk, lane, rows,
@@ -581,6 +604,8 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                     slab_a, group = two_batches(act, weights, expert, slab_a, own_end, chunk, lane, rows, raw_a,
                                                 a_raw_a, raw_b, a_raw_b, params, frags, group, acc, gacc, a_sum)
 
+        if early_weights:
+            ptx.wait_for_previous()  # for CTAs that skipped the decode loop (returns at once after a wait)
         # The next kernel may launch now: its CTAs start in this one's tail (reduction,
         # stores, fused finish). Released right after the wait instead, they sat beside this
         # kernel's main loop and slowed it (Qwen3 NVFP4 M = 1 on the H200: 26 -> 35 us).
@@ -656,8 +681,8 @@ def activation_array(act: torch.Tensor, pair_loads: bool):
 
 def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_tokens_post_padded, *,
                  num_slots: int, tile: GemmTile = GemmTile(), topk_weights=None, out=None,
-                 partial_output: bool | None = None, then: FusedActivation | FusedCombine | None = None
-                 ) -> torch.Tensor:
+                 partial_output: bool | None = None, then: FusedActivation | FusedCombine | None = None,
+                 alignment_ready: bool = False) -> torch.Tensor:
     """One grouped GEMM over aligned token blocks.
 
     act:                     (M, K) per token (gemm1) or (num_slots, K) per slot (gemm2),
@@ -674,6 +699,9 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
     then:                    the reduction that reads the partials, finished by the GEMM
                              itself (`epilogue`): `FusedActivation` (gemm1) or
                              `FusedCombine` (gemm2); its arrival counters must be zeros.
+    alignment_ready:         the alignment was written before the kernel launched ahead of
+                             this one started (see make_grouped_gemm): under early launch
+                             the first weight loads need not wait for that kernel.
     """
     act = interop.check_tensor("act", act, dtype=(torch.bfloat16, torch.float16), ndim=2)
     half = interop.HALF_NAMES[act.dtype]
@@ -723,7 +751,7 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
         if combine_weights is not None:
             weights_flat = combine_weights.reshape(-1)
     kernel = make_grouped_gemm(weights.spec, n, k, tile, half, partial_output, topk_weights is not None, pairs,
-                               None if then is None else then.kind)
+                               None if then is None else then.kind, alignment_ready)
     grid = tile.grid(expert_ids.shape[0], n)
     if max(grid[1:]) > MAX_GRID_YZ:
         raise ValueError(f"{tile} needs a grid of {grid} CTAs: y and z may not exceed {MAX_GRID_YZ} "

@@ -162,9 +162,10 @@ def test_prefill_warps_of_several_row_tiles_with_padding_at_the_tail(tile):
     assert_close(*run_case(formats.native(4, 32), (2, 64, 64), tokens=20, top_k=2, tile=tile, topk_ids=topk_ids))
 
 
-@pytest.mark.parametrize("tile", [PREFILL, SPLIT])
-def test_cta_order_changes_no_output_bit(tile):
-    """chunks_first only reorders the grid: every CTA computes what it did before."""
+@pytest.mark.parametrize("tile", [PREFILL, SPLIT, SWAP])
+def test_cta_order_and_early_weights_change_no_output_bit(tile):
+    """chunks_first only reorders the grid, alignment_ready only moves the first weight
+    loads of a decode tile before the wait: every CTA computes what it did before."""
     shape, spec = (3, 160, 64), formats.native(4, 32)
     weights = KernelWeights.from_physical(spec, spec.pack(random_quantized(spec, shape, np.random.default_rng(1))),
                                           shape)
@@ -172,12 +173,12 @@ def test_cta_order_changes_no_output_bit(tile):
     act = torch.randn(4, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).to(device)
     topk_ids = torch.tensor([[0, 2], [1, 2], [2, 0], [0, 1]], dtype=torch.int32, device=device)
     alignment = moe_align_block_size(topk_ids, tile.block_m, shape[0], check_ids=False)
-    outs = [grouped_gemm(act, weights, *alignment, num_slots=8, tile=attrs.evolve(tile, chunks_first=first))
-            for first in (False, True)]
+    outs = [grouped_gemm(act, weights, *alignment, num_slots=8, tile=attrs.evolve(tile, chunks_first=first),
+                         alignment_ready=ready) for first, ready in ((False, False), (True, False), (False, True))]
     chunks = -(-160 // tile.block_n)
     assert (tile.grid(5, 160), attrs.evolve(tile, chunks_first=True).grid(5, 160)) == (
         (5, chunks, tile.split_k), (chunks, 5, tile.split_k))
-    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 def test_k_not_a_multiple_of_the_group_size():
