@@ -6,9 +6,10 @@ with the L2 cache flushed before every run, the median of many runs of:
 
 * gemm_ms:  the two grouped GEMMs as the layer runs them (routing and alignment done
             beforehand; replayed launches, gemm2 launched early unless
-            NUMBA_MOE_EARLY_LAUNCH=0), from a CUDA graph: a tile with `fused_reduction` also
-            finishes the reduction after it (activation, combine); at M <= 16 also
-            gemm_plain_ms, the two GEMMs writing partials only (the earlier runs' gemm_ms);
+            NUMBA_MOE_EARLY_LAUNCH=0, its first weight loads issued before it waits for
+            gemm1), from a CUDA graph: a tile with `fused_reduction` also finishes the
+            reduction after it (activation, combine); at M <= 16 also gemm_plain_ms, the
+            two GEMMs writing partials only (the earlier runs' gemm_ms);
 * layer_ms: the whole layer (routing to combine), replayed from a CUDA graph;
 * torch_ms: the torch reference, dequantised bf16 experts multiplied in a loop over experts;
 * grouped_mm_ms: torch._grouped_mm on bf16 experts (CUTLASS tensor cores), for comparison;
