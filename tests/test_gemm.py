@@ -324,6 +324,18 @@ def test_bad_arguments_are_rejected_before_launch(change, error, message):
                      topk_weights=arguments["topk_weights"], out=arguments["out"])
 
 
+def test_token_blocks_past_the_grid_s_y_limit_are_refused_in_chunks_first_order():
+    act, weights, _ = _small_problem()
+    tile = GemmTile(block_m=16, chunks_first=True)
+    blocks = 65536
+    device = act.device
+    sorted_ids = torch.full((blocks * 16,), 2, dtype=torch.int32, device=device)
+    expert_ids = torch.full((blocks,), -1, dtype=torch.int32, device=device)
+    padded = torch.tensor([16], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="may not exceed 65535"):
+        grouped_gemm(act, weights, sorted_ids, expert_ids, padded, num_slots=2, tile=tile)
+
+
 def test_prefill_tiles_refuse_layouts_they_cannot_stage_and_misaligned_activations():
     spec, shape = formats.gptq(4, 32), (2, 64, 64)
     gptq = KernelWeights.from_physical(spec, spec.pack(random_quantized(spec, shape, np.random.default_rng(0))), shape)
