@@ -14,7 +14,8 @@ that the benchmark's own draw timed 1.36x slower). The candidates are the oracle
 families (`candidate_tiles`): decode tiles (16-slot blocks, or 8-slot blocks with
 swapped operands, those also with the reduction fused into the GEMM or an unchecked
 steady loop; operands straight from global memory, K split over warps and CTAs)
-and prefill tiles (32 to 128-row blocks staged in shared memory); a tile that the layout
+and prefill tiles (32 to 128-row blocks staged in shared memory, in either CTA order,
+with and without trim_padding); a tile that the layout
 or the shared memory cannot take is skipped. Weights are random bits in the kernel
 layout: timing does not depend on their values.
 
@@ -77,8 +78,11 @@ def candidate_tiles(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTile
     if per_expert > 4:
         for block_m, warps_m, warps_n, depth, stages in PREFILL_SHAPES:
             for chunks_first in (False, True):  # which operand the L2 keeps for the CTAs running together
-                tiles.append(GemmTile(block_m=block_m, warps_m=warps_m, warps_n=warps_n, warps_k=1,
-                                      slabs_per_warp=depth, stages=stages, a_in_shared=True, chunks_first=chunks_first))
+                tile = GemmTile(block_m=block_m, warps_m=warps_m, warps_n=warps_n, warps_k=1, slabs_per_warp=depth,
+                                stages=stages, a_in_shared=True, chunks_first=chunks_first)
+                tiles.append(tile)
+                if tile.trimmable:
+                    tiles.append(attrs.evolve(tile, trim_padding=True))
     return tiles
 
 
@@ -86,9 +90,10 @@ def refine_candidates(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTi
     """Candidates for `--refine`: the tile the oracle now picks (tuned or heuristic) for the
     GEMM of reduction length `k` and, if it is a decode tile, that tile with each boolean
     option flipped (steady_loop; fused_reduction when swapped) and with half and twice the
-    warps along K (registers and waves change with it), and any tile in the other CTA
-    order (chunks_first): minutes instead of a full tuning's tens of minutes, to re-check
-    saved entries after a kernel or an option changes."""
+    warps along K (registers and waves change with it), any tile in the other CTA order
+    (chunks_first), and a prefill tile with trim_padding flipped: minutes instead of a
+    full tuning's tens of minutes, to re-check saved entries after a kernel or an option
+    changes."""
     backend = select_backend(config, num_tokens, kernel_spec(config))
     tiles = []
     for tile, tile_k in ((backend.gemm1, config.hidden_size), (backend.gemm2, config.intermediate_size)):
@@ -100,6 +105,8 @@ def refine_candidates(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTi
                           if 1 <= warps_k <= 8]
             if tile.swap_ab:
                 tiles.append(attrs.evolve(tile, fused_reduction=not tile.fused_reduction))
+            if tile.trimmable:
+                tiles.append(attrs.evolve(tile, trim_padding=not tile.trim_padding))
     return tiles
 
 

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from numba import cuda, float32
 
-from .ptx import device, kernel, wait_for_previous
+from .ptx import device, kernel, release_next, wait_for_previous
 from .rows import (DTYPE_NAMES, ONE, ZERO, as_float64, check_partials, chunk_reader, chunk_size, chunk_writer, launch_rows,
                    output_tensor, source_array, target_array, vectorizable)
 
@@ -150,6 +150,9 @@ def make_activation_kernel(activation: Activation, source: str, target: str, vec
 
     @kernel
     def activation_kernel(gate_up, out, width):
+        # The layer's gemm2 may launch now: its CTAs read their routing and first weights
+        # while this short kernel runs, and wait for it before reading its output.
+        release_next()
         wait_for_previous()  # launched early (rows.launch_rows): the partials are final from here
         x = cuda.local.array(inputs, float32)
         y = cuda.local.array(chunk, float32)

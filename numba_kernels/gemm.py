@@ -36,7 +36,9 @@ The operands come from one of two places, a tile option:
   banks) and the CTA's weight words, scales and zero points as stored
   (`fragments.staged_weights`) -- while the warps multiply an earlier stage: A fragments
   by `ldmatrix`, B fragments decoded from shared words. Each warp's 16-row m tiles reuse
-  every decoded B fragment, so wide warps (64 rows) amortise the dequantisation. Two
+  every decoded B fragment, so wide warps (64 rows) amortise the dequantisation (with
+  `trim_padding`, only the tiles up to the block's last slot: an expert's last block is
+  part padding). Two
   slabs' operands live in registers: a slab's mma are issued while the next slab is
   loaded and decoded, and a stage's barrier comes before its last slab's mma, so the
   integer work of dequantisation fills the tensor pipe's gaps (on the H200 the two
@@ -102,6 +104,10 @@ class GemmTile:
                     run together), rather than all blocks of a chunk first (an expert's
                     weight chunk is shared by its blocks that run together). Which order
                     keeps more in L2 depends on the sizes: the tuner times both.
+    trim_padding:   prefill, warps_m = 1: a block whose last 16-row m tiles hold padding
+                    only (an expert's last block) runs a copy of the main loop without
+                    them, one copy per count of tiles in use (fewer mma where experts get a
+                    few blocks each, but about twice the code to compile).
     """
 
     block_m: int = attrs.field(default=16, validator=_positive_power_of_two)
@@ -117,11 +123,15 @@ class GemmTile:
     fused_reduction: bool = False
     steady_loop: bool = False
     chunks_first: bool = False
+    trim_padding: bool = False
 
     def __attrs_post_init__(self):
         for option in ("fused_reduction", "steady_loop"):
             if getattr(self, option) and self.a_in_shared:
                 raise ValueError(f"{option} is for decode tiles (no a_in_shared), got {self}")
+        if self.trim_padding and not self.trimmable:
+            raise ValueError(f"trim_padding is for prefill tiles (a_in_shared) with warps_m = 1 and block_m >= 32, "
+                             f"got {self}")
         if self.swap_ab:
             if self.block_m != 8 or self.warps_m != 1 or self.a_in_shared:
                 raise ValueError(f"swap_ab takes blocks of 8 slots, warps_m = 1 and no a_in_shared, got {self}")
@@ -133,6 +143,12 @@ class GemmTile:
     @property
     def threads(self) -> int:
         return 32 * self.warps_m * self.warps_n * self.warps_k
+
+    @property
+    def trimmable(self) -> bool:
+        """Whether `trim_padding` applies: a prefill tile whose one warp along the rows has
+        two m tiles or more."""
+        return self.a_in_shared and self.warps_m == 1 and self.block_m >= 32
 
     @property
     def block_n(self) -> int:
@@ -248,20 +264,27 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                     pair |= uint32(act[0, row, stored_k(k_order, expert, kp + 1)]) << uint32(16)
         return pair
 
-    @ptx.device
-    def multiply(frags, a_words, acc):
-        """acc += A @ B for one slab's fragments."""
-        if swap_ab:  # A = 16 features: the B fragments of two n8 tiles, interleaved (fragments docstring)
-            for j in range(acc_i):
-                acc[j, 0, 0], acc[j, 0, 1], acc[j, 0, 2], acc[j, 0, 3] = mma(
-                    frags[4 * j], frags[4 * j + 2], frags[4 * j + 1], frags[4 * j + 3], a_words[0, 0], a_words[0, 1],
-                    acc[j, 0, 0], acc[j, 0, 1], acc[j, 0, 2], acc[j, 0, 3])
-        else:
-            for mt in range(m_tiles):
-                for nt in range(8):
-                    acc[mt, nt, 0], acc[mt, nt, 1], acc[mt, nt, 2], acc[mt, nt, 3] = mma(
-                        a_words[mt, 0], a_words[mt, 1], a_words[mt, 2], a_words[mt, 3], frags[2 * nt],
-                        frags[2 * nt + 1], acc[mt, nt, 0], acc[mt, nt, 1], acc[mt, nt, 2], acc[mt, nt, 3])
+    def multiplier(tiles: int):
+        """multiply(frags, a_words, acc): acc += A @ B for one slab's fragments, over the
+        first `tiles` m tiles (unswapped)."""
+
+        @ptx.device
+        def multiply(frags, a_words, acc):
+            if swap_ab:  # A = 16 features: the B fragments of two n8 tiles, interleaved (fragments docstring)
+                for j in range(acc_i):
+                    acc[j, 0, 0], acc[j, 0, 1], acc[j, 0, 2], acc[j, 0, 3] = mma(
+                        frags[4 * j], frags[4 * j + 2], frags[4 * j + 1], frags[4 * j + 3], a_words[0, 0],
+                        a_words[0, 1], acc[j, 0, 0], acc[j, 0, 1], acc[j, 0, 2], acc[j, 0, 3])
+            else:
+                for mt in range(tiles):
+                    for nt in range(8):
+                        acc[mt, nt, 0], acc[mt, nt, 1], acc[mt, nt, 2], acc[mt, nt, 3] = mma(
+                            a_words[mt, 0], a_words[mt, 1], a_words[mt, 2], a_words[mt, 3], frags[2 * nt],
+                            frags[2 * nt + 1], acc[mt, nt, 0], acc[mt, nt, 1], acc[mt, nt, 2], acc[mt, nt, 3])
+
+        return multiply
+
+    multiply = multiplier(m_tiles)
 
     @ptx.device
     def multiply_slab(weights, expert, slab, chunk, lane, raw_slab, params, frags, group, a_words, acc):
@@ -422,43 +445,6 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                 copy_weights_partial(weights, w_source, stage, remaining, w_tiles, w_base, thread)
         ptx.commit_copies()
 
-    @ptx.device
-    def load_slab(weights, expert, slab, local_slab, read_chunk, chunk, lane, a_lane, a_tiles, w_tiles, buffer, raw,
-                  params, frags, a_words):
-        """This warp's operands of one staged slab into registers: A by ldmatrix, B decoded
-        from the shared words of its chunk `read_chunk` (`a_lane`: the word of this lane's
-        ldmatrix row in a stage buffer)."""
-        fetch_weights(w_tiles, buffer, local_slab, read_chunk, lane, raw)
-        first = buffer * (block_m * row_words) + a_lane + local_slab * (SLAB_K // 2)
-        for mt in range(m_tiles):
-            a_words[mt, 0], a_words[mt, 1], a_words[mt, 2], a_words[mt, 3] = ldmatrix4(
-                a_tiles, first + mt * (16 * row_words))
-        decode(raw, params, weights, expert, slab, chunk, lane, frags)
-
-    def slab_step(d: int):
-        """Step d of a stage's slabs: load slab d + 1 into the free register slot (for the
-        last step: wait for the next stage, then load its first slab), multiply slab d.
-        Built per d in Python and chained (`then`: same arguments), so no loop is left for the compiler to
-        decide whether to unroll: it kept a 4-slab loop rolled for NVFP4, with the slots
-        in local memory."""
-        slot, free, last = d % 2, (d + 1) % 2, d + 1 == depth
-
-        @ptx.device
-        def step(weights, expert, stage, own, read_chunk, chunk, lane, a_lane, a_tiles, w_tiles, buffer, after, raw,
-                 params, frag_slots, a_slots, acc):
-            if last:
-                wait_copies()  # the next stage has landed (every older group)...
-                cuda.syncthreads()  # ...for every thread, and no warp reads `buffer` any more
-                # The next stage's first slab (past the end: unused words of a spare buffer).
-                load_slab(weights, expert, stage + stage_slabs + own, own, read_chunk, chunk, lane, a_lane, a_tiles,
-                          w_tiles, after, raw, params, frag_slots[free], a_slots[free])
-            else:
-                load_slab(weights, expert, stage + own + d + 1, own + d + 1, read_chunk, chunk, lane, a_lane, a_tiles,
-                          w_tiles, buffer, raw, params, frag_slots[free], a_slots[free])
-            multiply(frag_slots[slot], a_slots[slot], acc)
-
-        return step
-
     def then(first, second):
         @ptx.device
         def both(*args):
@@ -467,7 +453,108 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
 
         return both
 
-    multiply_stage = functools.reduce(then, [slab_step(d) for d in range(depth)])
+    def prefill_loop(tiles: int):
+        """run(weights, expert, start_slab, end_slab, ...): the prefill main loop over the
+        first `tiles` m tiles of each warp, from the first staged slab to the last."""
+        multiply_tiles = multiplier(tiles)
+
+        @ptx.device
+        def load_slab(weights, expert, slab, local_slab, read_chunk, chunk, lane, a_lane, a_tiles, w_tiles, buffer,
+                      raw, params, frags, a_words):
+            """This warp's operands of one staged slab into registers: A by ldmatrix, B
+            decoded from the shared words of its chunk `read_chunk` (`a_lane`: the word of
+            this lane's ldmatrix row in a stage buffer)."""
+            fetch_weights(w_tiles, buffer, local_slab, read_chunk, lane, raw)
+            first = buffer * (block_m * row_words) + a_lane + local_slab * (SLAB_K // 2)
+            for mt in range(tiles):
+                a_words[mt, 0], a_words[mt, 1], a_words[mt, 2], a_words[mt, 3] = ldmatrix4(
+                    a_tiles, first + mt * (16 * row_words))
+            decode(raw, params, weights, expert, slab, chunk, lane, frags)
+
+        def slab_step(d: int):
+            """Step d of a stage's slabs: load slab d + 1 into the free register slot (for
+            the last step: wait for the next stage, then load its first slab), multiply
+            slab d. Built per d in Python and chained (`then`: same arguments), so no loop
+            is left for the compiler to decide whether to unroll: it kept a 4-slab loop
+            rolled for NVFP4, with the slots in local memory."""
+            slot, free, last = d % 2, (d + 1) % 2, d + 1 == depth
+
+            @ptx.device
+            def step(weights, expert, stage, own, read_chunk, chunk, lane, a_lane, a_tiles, w_tiles, buffer, after,
+                     raw, params, frag_slots, a_slots, acc):
+                if last:
+                    wait_copies()  # the next stage has landed (every older group)...
+                    cuda.syncthreads()  # ...for every thread, and no warp reads `buffer` any more
+                    # The next stage's first slab (past the end: unused words of a spare buffer).
+                    load_slab(weights, expert, stage + stage_slabs + own, own, read_chunk, chunk, lane, a_lane,
+                              a_tiles, w_tiles, after, raw, params, frag_slots[free], a_slots[free])
+                else:
+                    load_slab(weights, expert, stage + own + d + 1, own + d + 1, read_chunk, chunk, lane, a_lane,
+                              a_tiles, w_tiles, buffer, raw, params, frag_slots[free], a_slots[free])
+                multiply_tiles(frag_slots[slot], a_slots[slot], acc)
+
+            return step
+
+        multiply_stage = functools.reduce(then, [slab_step(d) for d in range(depth)])
+
+        @ptx.device
+        def run(act, weights, expert, start_slab, end_slab, own, read_chunk, chunk, lane, a_lane, a_tiles, w_tiles,
+                raw, params, frag_slots, a_slots, acc, a_source, a_target, a_slab, w_source, tid):
+            load_slab(weights, expert, start_slab + own, own, read_chunk, chunk, lane, a_lane, a_tiles, w_tiles, 0,
+                      raw, params, frag_slots[0], a_slots[0])
+            stage, buffer = start_slab, 0
+            while stage < end_slab:
+                after = buffer + 1 if buffer < stages - 1 else 0
+                multiply_stage(weights, expert, stage, own, read_chunk, chunk, lane, a_lane, a_tiles, w_tiles,
+                               buffer, after, raw, params, frag_slots, a_slots, acc)
+                issue_stage(act, weights, stage + stages * stage_slabs, end_slab, a_source, a_target, a_slab,
+                            w_source, a_tiles, w_tiles, buffer, tid)
+                if depth % 2:  # the next stage's first slab went to slot 1
+                    for i in range(16):
+                        frag_slots[0, i] = frag_slots[1, i]
+                    for mt in range(tiles):
+                        for w in range(4):
+                            a_slots[0, mt, w] = a_slots[1, mt, w]
+                stage += stage_slabs
+                buffer = after
+
+        return run
+
+    def loop_choice(tiles: int, fewer):
+        """run_prefill(used, ...): the loop over `tiles` m tiles if `used` is that many,
+        else `fewer` (the choice for fewer tiles; None: this loop whatever `used` is)."""
+        loop = prefill_loop(tiles)
+        if fewer is None:
+            @ptx.device
+            def only(used, *args):
+                loop(*args)
+
+            return only
+
+        @ptx.device
+        def choose(used, *args):
+            if used == tiles:
+                loop(*args)
+            else:
+                fewer(used, *args)
+
+        return choose
+
+    # trim_padding: a block whose last m tiles hold padding only runs a copy of the loop
+    # without them, one copy per count of tiles in use: no branch inside a loop (a branch
+    # per m tile in the loop made every prefill GEMM slower, BENCHMARKS.md).
+    trims = tile.trim_padding
+    run_prefill = functools.reduce(lambda fewer, tiles: loop_choice(tiles, fewer),
+                                   range(1, m_tiles + 1) if trims else (m_tiles,), None)
+
+    @ptx.device
+    def tiles_in_use(slots, num_slots):
+        """16-row m tiles up to the block's last slot (past it: padding only)."""
+        used = 1
+        for row in range(16, block_m):
+            if slots[row] < num_slots:
+                used = row // 16 + 1
+        return used
 
     @ptx.device
     def store(out, split, slot, col, value):
@@ -548,23 +635,9 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                                 w_source, a_tiles, w_tiles, s, tid)
                 wait_first_stage()
                 cuda.syncthreads()
-                load_slab(weights, expert, start_slab + own, own, read_chunk, chunk, lane, a_lane, a_tiles, w_tiles, 0,
-                          raw, params, frag_slots[0], a_slots[0])
-                stage, buffer = start_slab, 0
-                while stage < end_slab:
-                    after = buffer + 1 if buffer < stages - 1 else 0
-                    multiply_stage(weights, expert, stage, own, read_chunk, chunk, lane, a_lane, a_tiles, w_tiles,
-                                   buffer, after, raw, params, frag_slots, a_slots, acc)
-                    issue_stage(act, weights, stage + stages * stage_slabs, end_slab, a_source, a_target, a_slab,
-                                w_source, a_tiles, w_tiles, buffer, tid)
-                    if depth % 2:  # the next stage's first slab went to slot 1
-                        for i in range(16):
-                            frag_slots[0, i] = frag_slots[1, i]
-                        for mt in range(m_tiles):
-                            for w in range(4):
-                                a_slots[0, mt, w] = a_slots[1, mt, w]
-                    stage += stage_slabs
-                    buffer = after
+                run_prefill(tiles_in_use(slots, num_slots) if trims else m_tiles, act, weights, expert, start_slab,
+                            end_slab, own, read_chunk, chunk, lane, a_lane, a_tiles, w_tiles, raw, params, frag_slots,
+                            a_slots, acc, a_source, a_target, a_slab, w_source, tid)
             else:
                 weight_end = end_slab if chunk < n_chunks else start_slab  # no weights past N
                 frags = cuda.local.array(16, uint32)

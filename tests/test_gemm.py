@@ -154,18 +154,19 @@ def test_prefill_pipeline_at_every_group_size_code_width_and_stage_depth(spec, h
 
 
 @pytest.mark.parametrize("tile", [PREFILL, GemmTile(block_m=64, warps_k=1, slabs_per_warp=2, stages=2,
-                                                   a_in_shared=True)])
+                                                   a_in_shared=True, trim_padding=True)])
 def test_prefill_warps_of_several_row_tiles_with_padding_at_the_tail(tile):
     """20 slots per expert: a warp's first 16-row tile full, the second 4 slots, the rest
-    padding."""
+    padding (trimmed: the 64-row block runs the loop over two m tiles)."""
     topk_ids = np.tile(np.array([[0, 1]], np.int32), (20, 1))
     assert_close(*run_case(formats.native(4, 32), (2, 64, 64), tokens=20, top_k=2, tile=tile, topk_ids=topk_ids))
 
 
 @pytest.mark.parametrize("tile", [PREFILL, SPLIT, SWAP])
-def test_cta_order_and_early_weights_change_no_output_bit(tile):
+def test_cta_order_early_weights_and_trimming_change_no_output_bit(tile):
     """chunks_first only reorders the grid, alignment_ready only moves the first weight
-    loads of a decode tile before the wait: every CTA computes what it did before."""
+    loads of a decode tile before the wait, trim_padding only drops m tiles of padding
+    (here a block of 32 rows holds at most 4 slots): every CTA computes what it did before."""
     shape, spec = (3, 160, 64), formats.native(4, 32)
     weights = KernelWeights.from_physical(spec, spec.pack(random_quantized(spec, shape, np.random.default_rng(1))),
                                           shape)
@@ -173,12 +174,16 @@ def test_cta_order_and_early_weights_change_no_output_bit(tile):
     act = torch.randn(4, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).to(device)
     topk_ids = torch.tensor([[0, 2], [1, 2], [2, 0], [0, 1]], dtype=torch.int32, device=device)
     alignment = moe_align_block_size(topk_ids, tile.block_m, shape[0], check_ids=False)
-    outs = [grouped_gemm(act, weights, *alignment, num_slots=8, tile=attrs.evolve(tile, chunks_first=first),
-                         alignment_ready=ready) for first, ready in ((False, False), (True, False), (False, True))]
+    variants = [(attrs.evolve(tile, chunks_first=True), False), (tile, True)]
+    if tile.trimmable:
+        variants.append((attrs.evolve(tile, trim_padding=True), False))
+    first = grouped_gemm(act, weights, *alignment, num_slots=8, tile=tile)
     chunks = -(-160 // tile.block_n)
     assert (tile.grid(5, 160), attrs.evolve(tile, chunks_first=True).grid(5, 160)) == (
         (5, chunks, tile.split_k), (chunks, 5, tile.split_k))
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    for variant, ready in variants:
+        assert torch.equal(grouped_gemm(act, weights, *alignment, num_slots=8, tile=variant, alignment_ready=ready),
+                           first), (variant, ready)
 
 
 def test_k_not_a_multiple_of_the_group_size():
@@ -364,6 +369,10 @@ def test_tile_parameters_are_validated():
         GemmTile(block_m=8, a_in_shared=True, swap_ab=True)
     with pytest.raises(ValueError, match="for decode tiles"):
         GemmTile(block_m=16, a_in_shared=True, steady_loop=True)
+    for untrimmable in (dict(block_m=32), dict(block_m=16, a_in_shared=True),
+                        dict(block_m=64, warps_m=2, a_in_shared=True)):
+        with pytest.raises(ValueError, match="trim_padding is for prefill tiles"):
+            GemmTile(**untrimmable, trim_padding=True)
 
 
 @pytest.mark.gpu
@@ -376,7 +385,7 @@ def test_tile_parameters_are_validated():
     GemmTile(block_m=8, warps_k=4, slabs_per_warp=4, swap_ab=True, steady_loop=True),
     GemmTile(block_m=64, warps_m=1, warps_n=4, warps_k=1, slabs_per_warp=4, stages=2, a_in_shared=True),
     GemmTile(block_m=64, warps_m=1, warps_n=4, warps_k=1, slabs_per_warp=2, stages=4, a_in_shared=True,
-             chunks_first=True),
+             chunks_first=True, trim_padding=True),
     GemmTile(block_m=128, warps_m=2, warps_n=4, warps_k=1, slabs_per_warp=2, stages=3, a_in_shared=True),
     GemmTile(block_m=64, warps_m=2, warps_n=4, warps_k=1, slabs_per_warp=2, stages=3, split_k=2, a_in_shared=True)])
 @pytest.mark.parametrize("spec", [formats.native(4, 128), formats.native(fp4=True)], ids=["int4", "nvfp4"])

@@ -60,8 +60,11 @@ def test_candidates_are_valid_tiles_of_the_right_family(tokens):
     per_expert = tokens * 8 / 128
     assert any(t.a_in_shared for t in tiles) == (per_expert > 4)
     assert any(not t.a_in_shared for t in tiles) == (per_expert <= 64)
-    prefill = {t for t in tiles if t.a_in_shared}  # each prefill shape in both CTA orders
+    prefill = {t for t in tiles if t.a_in_shared}  # each prefill shape in both CTA orders...
     assert {attrs.evolve(t, chunks_first=not t.chunks_first) for t in prefill} == prefill
+    trimmed = {t for t in prefill if t.trim_padding}  # ...with and without trimming where it applies
+    assert {attrs.evolve(t, trim_padding=False) for t in trimmed} == {t for t in prefill if t.trimmable} - trimmed
+    assert bool(trimmed) == bool(prefill)
 
 
 def test_progress_bar_counts_to_the_total():
@@ -82,5 +85,6 @@ def test_refine_times_the_current_choice_and_its_flipped_options():
     assert {t.chunks_first for t in tiles} == {False, True}
     assert {t.warps_k for t in tiles} == {current.warps_k // 2, current.warps_k, current.warps_k * 2}
     prefill = refine_candidates(4096, mixtral, mixtral.intermediate_size)
-    assert len(prefill) == 2 and all(t.a_in_shared for t in prefill)
-    assert prefill[1] == attrs.evolve(prefill[0], chunks_first=not prefill[0].chunks_first)
+    assert len(prefill) == 3 and all(t.a_in_shared for t in prefill) and prefill[0].trimmable
+    assert prefill[1:] == [attrs.evolve(prefill[0], chunks_first=not prefill[0].chunks_first),
+                           attrs.evolve(prefill[0], trim_padding=not prefill[0].trim_padding)]
