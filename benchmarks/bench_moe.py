@@ -16,7 +16,8 @@ with the L2 cache flushed before every run, the median of many runs of:
 
 at M <= 16 each kernel of the layer alone (a CUDA graph per kernel: where the time beyond
 the GEMMs goes), and at M = 1 the eager layer from Python (host-bound): replayed launches
-(the default) and ordinary Numba launches, per forward and per launch. The floor of the
+(the default) and ordinary Numba launches, per forward and per launch (wall time, median
+of five rounds of 100 forwards). The floor of the
 two GEMMs is max(bytes of the touched experts' weights / copy bandwidth, flops / bf16
 matmul rate), both ceilings measured in the same run. Weights are random
 bits written straight into the kernel layout (timing does not depend on their values;
