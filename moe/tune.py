@@ -15,9 +15,9 @@ families (`candidate_tiles`): decode tiles (16-slot blocks, or 8-slot blocks wit
 swapped operands, those also with the reduction fused into the GEMM or an unchecked
 steady loop; operands straight from global memory, K split over warps and CTAs)
 and prefill tiles (32 to 128-row blocks staged in shared memory, in either CTA order,
-with and without trim_padding); a tile that the layout
-or the shared memory cannot take is skipped. Weights are random bits in the kernel
-layout: timing does not depend on their values.
+with and without trim_padding); a tile that the layout or the shared memory cannot take
+is skipped. Weights are random bits in the kernel layout: timing does not depend on
+their values.
 
     python -m moe.tune --experts 128 --top-k 8 --hidden 2048 --intermediate 768 --tokens 1 16 256 4096
 """

@@ -545,7 +545,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     # per m tile in the loop made every prefill GEMM slower, BENCHMARKS.md).
     trims = tile.trim_padding
     run_prefill = functools.reduce(lambda fewer, tiles: loop_choice(tiles, fewer),
-                                   range(1, m_tiles + 1) if trims else (m_tiles,), None)
+                                   range(1 if trims else m_tiles, m_tiles + 1), None)
 
     @ptx.device
     def tiles_in_use(slots, num_slots):

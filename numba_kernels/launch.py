@@ -19,9 +19,10 @@ before it touches what earlier kernels wrote. A `Launcher` launches such a kerne
 with programmatic dependent launch (`cuLaunchKernelEx`, Hopper and later): its CTAs may
 start while the kernel before it finishes (once that one's CTAs have called
 `ptx.release_next` or exited), which hides the launch gap between a decode layer's
-kernels: 0.5 to 2.7 us per layer on the H200 (BENCHMARKS.md). Only the GEMM releases
-before it exits, after its main loop: CTAs waiting beside a running main loop, or
-beside the routing kernel, slowed the layer by up to 12 us. Set
+kernels: 0.5 to 2.7 us per layer on the H200 (BENCHMARKS.md). The GEMM releases after
+its main loop (CTAs waiting beside a running main loop, or beside the routing kernel,
+slowed the layer by up to 12 us) and the short activation kernel on entry, so gemm2
+issues its first weight loads while it runs; the others release by exiting. Set
 NUMBA_MOE_EARLY_LAUNCH=0 to launch them in plain stream order.
 
 This module is the only one that reaches below numba-cuda's public kernel API: it takes
