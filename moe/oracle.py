@@ -27,8 +27,9 @@ back to a heuristic:
   copies free of bank conflicts (36-word rows). Weights whose layout cannot be staged
   (`gemm.prefill_supported`: act-order, scales not lane-contiguous) take decode tiles.
 
-A tile's `fused_reduction` (the GEMM finishes the activation or the combine in its last
-CTAs, `numba_kernels.epilogue`) and `steady_loop` (whole batches without per-slab range
+A tile's `fused_reduction` (a decode GEMM finishes the activation or the combine in its
+last CTAs, `numba_kernels.epilogue`; a prefill gemm1 the activation in its epilogue,
+`gemm.paired_activation`) and `steady_loop` (whole batches without per-slab range
 checks: on the H200, 2026-11-24, NVFP4 gemm1 3 % to 8 % faster, deferred 4-bit codes
 slower at 168 registers; 16-slot tiles at 8 to 16 slots per expert 9 % to 24 % faster)
 are set only by the tuner. Measured on the H200
@@ -54,7 +55,7 @@ from layouts import QuantSpec
 from numba_kernels import interop
 from numba_kernels.fragments import SLAB_K, fast_path_supported
 from numba_kernels.epilogue import activation_fusable, activation_kind, combine_kind
-from numba_kernels.gemm import GemmTile, make_grouped_gemm, pair_loads, prefill_supported
+from numba_kernels.gemm import GemmTile, make_grouped_gemm, pair_loads, paired_activation, prefill_supported
 from numba_kernels.route_align import fusable
 
 from .config import MoEConfig
@@ -168,20 +169,31 @@ def heuristic_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec | None
 
 def writes_partials(tile: GemmTile) -> bool:
     """Whether the GEMM writes float32 partials (split_k, slots, N) rather than halves:
-    a K split, or a tile that may finish the reduction itself (`fused_reduction`)."""
-    return tile.split_k > 1 or tile.fused_reduction
+    a K split, or a decode tile that may finish the reduction itself (`fused_reduction`;
+    a prefill tile finishes it from its half outputs)."""
+    return tile.split_k > 1 or (tile.fused_reduction and not tile.a_in_shared)
+
+
+def activation_finishable(config: MoEConfig, tile: GemmTile) -> bool:
+    """Whether gemm1 with `tile` can finish the activation: from partials (decode) or in
+    its epilogue (prefill, `gemm.paired_activation`)."""
+    n1 = config.gate_up_size
+    if tile.a_in_shared:
+        return paired_activation(tile, config.activation, n1)
+    return activation_fusable(config.activation, n1, tile.block_n)
 
 
 def fused_activation_kind(config: MoEConfig, tile: GemmTile) -> tuple | None:
     """The `FusedActivation.kind` gemm1 finishes with `tile`, or None (a separate kernel)."""
-    if tile.fused_reduction and activation_fusable(config.activation, config.gate_up_size, tile.block_n):
+    if tile.fused_reduction and activation_finishable(config, tile):
         return activation_kind(config.activation)
     return None
 
 
 def fused_combine_kind(config: MoEConfig, tile: GemmTile) -> tuple | None:
-    """The `FusedCombine.kind` gemm2 finishes with `tile`, or None (a separate kernel)."""
-    return combine_kind(config.top_k) if tile.fused_reduction else None
+    """The `FusedCombine.kind` gemm2 finishes with `tile`, or None (a separate kernel; a
+    prefill tile never finishes the combine)."""
+    return combine_kind(config.top_k) if tile.fused_reduction and not tile.a_in_shared else None
 
 
 def fused_routing(config: MoEConfig, num_tokens: int) -> bool:

@@ -6,9 +6,10 @@
                   token slots to expert blocks (one launch for a few tokens);
     run:          gemm1 -> hooks -> activation -> gemm2 -> hooks -> combine (weighted
                   sum over each token's experts); a tile with `fused_reduction` makes its
-                  GEMM finish the reduction after it in its last CTAs
-                  (`numba_kernels.epilogue`), one kernel fewer, unless a post_gemm hook
-                  must see the partials first.
+                  GEMM finish the reduction after it, one kernel fewer: a decode tile in
+                  its last CTAs (`numba_kernels.epilogue`), a prefill gemm1 tile in its
+                  epilogue (`gemm.paired_activation`); unless a post_gemm hook must see
+                  the GEMM's output first.
 
 `forward` is what both entry points call: it checks the inputs, then either replays the
 launches recorded by an earlier call of the same kind (`replay`: the eager fast path) or

@@ -4,8 +4,8 @@ token count to `moe/tuned/<device>.json`, which the oracle (`select_backend`) re
 For each token count M it routes M random tokens, and for each alignment block size
 times every candidate tile of gemm1 and of gemm2 on that alignment (CUDA-graph replays,
 L2 flushed), each together with the reduction that reads its output as the layer runs it
-(gemm1 -> activation, gemm2 -> combine: fused into a decode GEMM's last CTAs, a kernel
-of its own after a prefill one; a K split in S parts makes it sum S partials, which the
+(gemm1 -> activation, gemm2 -> combine: fused into a decode GEMM's last CTAs, gemm1's
+activation into a prefill GEMM's epilogue, else a kernel of its own; a K split in S parts makes it sum S partials, which the
 GEMM alone does not show), keeping the fastest pair; the block size
 with the smallest sum wins. A candidate's time is the mean over `routings` random
 routings (3 by default): with a few slots per expert one draw can rank two tiles the
@@ -15,7 +15,8 @@ families (`candidate_tiles`): decode tiles (16-slot blocks, or 8-slot blocks wit
 swapped operands, those also with the reduction fused into the GEMM or an unchecked
 steady loop; operands straight from global memory, K split over warps and CTAs)
 and prefill tiles (32 to 128-row blocks staged in shared memory, in either CTA order,
-with and without trim_padding); a tile that the layout or the shared memory cannot take
+with and without trim_padding, gemm1's with and without the activation in its
+epilogue); a tile that the layout or the shared memory cannot take
 is skipped. Weights are random bits in the kernel layout: timing does not depend on
 their values.
 
@@ -42,8 +43,8 @@ from numba_kernels.fragments import SLAB_K
 from numba_kernels.gemm import GemmTile, grouped_gemm
 
 from .config import MoEConfig, QuantScheme
-from .oracle import (DECODE_TILE, SWAPPED_DECODE_TILE, TUNED_DIR, Backend, backend_to_dict, device_name,
-                     select_backend, shape_key, tuned_table)
+from .oracle import (DECODE_TILE, SWAPPED_DECODE_TILE, TUNED_DIR, Backend, activation_finishable, backend_to_dict,
+                     device_name, select_backend, shape_key, tuned_table)
 from .runner import fused_activation, fused_combine
 from .weights import ExpertWeights, kernel_spec
 from .workspace import arrivals_elements, gemm_out_elements, gemm_view
@@ -80,9 +81,10 @@ def candidate_tiles(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTile
             for chunks_first in (False, True):  # which operand the L2 keeps for the CTAs running together
                 tile = GemmTile(block_m=block_m, warps_m=warps_m, warps_n=warps_n, warps_k=1, slabs_per_warp=depth,
                                 stages=stages, a_in_shared=True, chunks_first=chunks_first)
-                tiles.append(tile)
-                if tile.trimmable:
-                    tiles.append(attrs.evolve(tile, trim_padding=True))
+                variants = [tile, attrs.evolve(tile, trim_padding=True)] if tile.trimmable else [tile]
+                if k == config.hidden_size and activation_finishable(config, attrs.evolve(tile, fused_reduction=True)):
+                    variants += [attrs.evolve(variant, fused_reduction=True) for variant in variants]  # gemm1's activation
+                tiles += variants
     return tiles
 
 
@@ -91,19 +93,21 @@ def refine_candidates(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTi
     GEMM of reduction length `k` and, if it is a decode tile, that tile with each boolean
     option flipped (steady_loop; fused_reduction when swapped) and with half and twice the
     warps along K (registers and waves change with it), any tile in the other CTA order
-    (chunks_first), and a prefill tile with trim_padding flipped: minutes instead of a
+    (chunks_first), and a prefill tile with trim_padding flipped (gemm1's also with
+    fused_reduction flipped, where it can finish the activation): minutes instead of a
     full tuning's tens of minutes, to re-check saved entries after a kernel or an option
     changes."""
     backend = select_backend(config, num_tokens, kernel_spec(config))
     tiles = []
-    for tile, tile_k in ((backend.gemm1, config.hidden_size), (backend.gemm2, config.intermediate_size)):
+    for tile, tile_k, first in ((backend.gemm1, config.hidden_size, True), (backend.gemm2, config.intermediate_size, False)):
         if tile_k == k:
             tiles += [tile, attrs.evolve(tile, chunks_first=not tile.chunks_first)]
             if not tile.a_in_shared:
                 tiles.append(attrs.evolve(tile, steady_loop=not tile.steady_loop))
                 tiles += [attrs.evolve(tile, warps_k=warps_k) for warps_k in (tile.warps_k // 2, tile.warps_k * 2)
                           if 1 <= warps_k <= 8]
-            if tile.swap_ab:
+            if tile.swap_ab or (first and tile.a_in_shared
+                                and activation_finishable(config, attrs.evolve(tile, fused_reduction=True))):
                 tiles.append(attrs.evolve(tile, fused_reduction=not tile.fused_reduction))
             if tile.trimmable:
                 tiles.append(attrs.evolve(tile, trim_padding=not tile.trim_padding))

@@ -28,6 +28,10 @@ where it is several (`moe.oracle`: only the tuner sets `GemmTile.fused_reduction
 other CTAs wrote during this launch, so it loads them past the incoherent L1
 (`ptx.load_coherent`). This is the serial split-K reduction of
 CUTLASS's semaphore epilogue, with the counters in the caller's workspace.
+
+A prefill tile, whose grid is many waves, finishes only the activation, and without
+counters: its CTAs hold both halves of their outputs (`gemm.paired_activation`);
+`check_fused(counters=False)` validates that case.
 """
 
 from __future__ import annotations
@@ -80,7 +84,7 @@ def combine_kind(top_k: int) -> tuple:
     return ("combine", top_k)
 
 
-def _halves(activation: Activation) -> bool:
+def gate_up_halves(activation: Activation) -> bool:
     """Gate and up in two halves [gate | up] of the row, so in two CTA columns."""
     return activation.gated and not activation.interleaved
 
@@ -88,12 +92,12 @@ def _halves(activation: Activation) -> bool:
 def activation_fusable(activation: Activation, n: int, block_n: int) -> bool:
     """Whether gemm1 (n = 2I gate/up outputs, CTAs of block_n columns) can finish
     `activation`: halves need the gate and up tiles of a feature in two whole columns."""
-    return not _halves(activation) or (n // 2) % block_n == 0
+    return not gate_up_halves(activation) or (n // 2) % block_n == 0
 
 
 def activation_tiles(activation: Activation, n: int, block_n: int) -> int:
     """Output tiles per token block of gemm1 (n gate/up outputs): arrival counters per block."""
-    return n // 2 // block_n if _halves(activation) else -(-n // block_n)
+    return n // 2 // block_n if gate_up_halves(activation) else -(-n // block_n)
 
 
 def arrivals_needed(kind: tuple, n: int, block_n: int, blocks: int, tokens: int) -> int:
@@ -103,13 +107,16 @@ def arrivals_needed(kind: tuple, n: int, block_n: int, blocks: int, tokens: int)
     return tokens * -(-n // block_n)
 
 
-def check_fused(then, *, n: int, block_n: int, blocks: int, num_slots: int, half: torch.dtype):
+def check_fused(then, *, n: int, block_n: int, blocks: int, num_slots: int, half: torch.dtype,
+                counters: bool = True):
     """Validate `then` of a GEMM with n outputs (raises ValueError/TypeError naming the
-    argument); returns its kernel arrays (out, arrivals, topk_weights or None)."""
+    argument); returns its kernel arrays (out, arrivals, topk_weights or None). Without
+    `counters` (a prefill tile's epilogue, `gemm.paired_activation`) no CTA columns need
+    splitting and no arrival counters are read."""
     if isinstance(then, FusedActivation):
         if not isinstance(then.activation, Activation):
             raise TypeError(f"then.activation must be an Activation, got {type(then.activation).__name__}")
-        if not activation_fusable(then.activation, n, block_n):
+        if counters and not activation_fusable(then.activation, n, block_n):
             raise ValueError(f"a fused {then.activation.name} needs I = {n // 2} to split into whole CTA columns of "
                              f"{block_n}: run numba_kernels.activation.activate after the GEMM instead")
         width = then.activation.output_width(n)
@@ -123,7 +130,7 @@ def check_fused(then, *, n: int, block_n: int, blocks: int, num_slots: int, half
         out = interop.check_tensor("then.out", then.out, dtype=half, shape=(tokens, n))
     else:
         raise TypeError(f"then must be a FusedActivation or a FusedCombine, got {type(then).__name__}")
-    needed = arrivals_needed(then.kind, n, block_n, blocks, tokens)
+    needed = arrivals_needed(then.kind, n, block_n, blocks, tokens) if counters else 0
     arrivals = interop.check_tensor("then.arrivals", then.arrivals, dtype=torch.int32, ndim=1)
     if arrivals.shape[0] < needed:
         raise ValueError(f"then.arrivals holds {arrivals.shape[0]} counters, this GEMM needs {needed} (zeros)")
@@ -147,7 +154,7 @@ def make_finisher(kind: tuple, n: int, block_m: int, block_n: int, split_k: int,
         apply = _pointwise(activation)
         gated, interleaved = activation.gated, activation.interleaved
         tiles = activation_tiles(activation, n, block_n)
-        expected = (2 if _halves(activation) else 1) * split_k
+        expected = (2 if gate_up_halves(activation) else 1) * split_k
         outputs = block_n // 2 if interleaved else block_n  # finished outputs per tile
         per_thread = -(-block_m * outputs // threads)
         width = activation.output_width(n)

@@ -455,8 +455,11 @@ class StagedWeights:
     bytes stay contiguous), then the scale rows of the stage's groups restricted to those
     chunks, then their zero-point words; `stage_words` uint32 words per stage buffer.
 
-    plan(e, first_chunk, thread, sources): once per CTA, fill this thread's
-        `copies_per_thread` source offsets (int64, -1 for none);
+    plan(e, first_chunk, second_chunk, thread, sources): once per CTA, fill this
+        thread's `copies_per_thread` source offsets (int64, -1 for none) for the CTA's
+        chunks: its first `chunks // 2` from `first_chunk` on, the rest from
+        `second_chunk` on (contiguous: first_chunk + chunks // 2; apart: gemm1's gate and
+        up chunks, `gemm.paired_activation`);
     copy(weights, sources, first_slab, tiles, base, thread) / copy_partial(..., remaining):
         this thread's share of a stage's 16-byte `copy_async` copies into the stage buffer
         at word `base`; `copy_partial` for the last stage of a K range, `remaining` slabs
@@ -501,13 +504,17 @@ def _stream_copies(stream: CopyStream, threads: int, n_chunks: int, chunks: int)
     per_chunk, per_unit = stream.elements_per_chunk, stream.elements_per_unit
     copy_async = ptx.copy_async
 
+    first_half = chunks // 2 * per_chunk  # elements of a row from the first run of chunks
+
     @device
-    def plan(e, first_chunk, thread, sources):
+    def plan(e, first_chunk, second_chunk, thread, sources):
         for i in range(copies):
             unit = uint32(thread) + uint32(i * threads)  # unsigned: divisions by constants stay cheap
             sources[first_copy + i] = int64(-1)
             if unit < uint32(units):
-                element = first_chunk * per_chunk + per_unit * (unit % uint32(per_row))
+                local = per_unit * (unit % uint32(per_row))  # element of the CTA's row
+                run = first_chunk if local < first_half else second_chunk - chunks // 2
+                element = run * per_chunk + local
                 if element < n_chunks * per_chunk:
                     row = int64(e * rows_per_expert + unit // uint32(per_row))
                     sources[first_copy + i] = row * row_length + element
@@ -579,12 +586,12 @@ def staged_weights(spec: QuantSpec, n: int, k: int, half: str, chunks: int, slab
     full_stage = uint32(slabs)
 
     @device
-    def plan(e, first_chunk, thread, sources):
+    def plan(e, first_chunk, second_chunk, thread, sources):
         """Once per CTA: the flat source element of each of this thread's copies in the
         stage of slab 0 (-1: none, or past N), so a stage's copy is one add away."""
-        plan_w(e, first_chunk, thread, sources)
-        plan_s(e, first_chunk, thread, sources)
-        plan_z(e, first_chunk, thread, sources)
+        plan_w(e, first_chunk, second_chunk, thread, sources)
+        plan_s(e, first_chunk, second_chunk, thread, sources)
+        plan_z(e, first_chunk, second_chunk, thread, sources)
 
     @device
     def copy(weights, sources, first_slab, tiles, base, thread):

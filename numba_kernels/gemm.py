@@ -46,7 +46,12 @@ The operands come from one of two places, a tile option:
 
 The first warp of each `warps_k` team writes the tile: half outputs (one K split) or
 float32 partials (split_k, slots, N) that the next kernel sums in a fixed order
-(deterministic, no atomics).
+(deterministic, no atomics). A prefill gemm1 may instead finish the activation itself
+(`paired_activation`): its CTA's first warps_n / 2 warps take gate chunks and the others
+the up chunks of the same features, and the two warps of a pair, holding a feature's
+gate and up at the same fragment positions, swap half their tiles through the idle stage
+buffers; each writes act(gate) * up for its half. gemm1's output never goes to memory
+and the activation kernel (which reads it and writes half as much) is not launched.
 
 Memory traffic: each weight byte of the touched experts is read once per token block
 (once in all at decode); activations are re-read once per 64-feature chunk, from L2.
@@ -66,8 +71,10 @@ from layouts import QuantSpec
 from . import interop, ptx
 from .launch import launch_kernel
 from .elements import logical_k
-from .epilogue import FusedActivation, FusedCombine, check_fused, make_finisher
+from .activation import Activation, _pointwise
+from .epilogue import FusedActivation, FusedCombine, check_fused, gate_up_halves, make_finisher
 from .fragments import CHUNK_N, HALF_CONSTANTS, SLAB_K, fragment_reader, staged_weights, staging_supported
+from .rows import ZERO
 from .weights import KernelWeights
 
 
@@ -95,7 +102,8 @@ class GemmTile:
                     expert, the decode case).
     fused_reduction: the layer runs this GEMM with `then=` (`epilogue`): it finishes the
                     activation or the combine itself, one kernel fewer but a longer tail
-                    per CTA (the tuner picks it where that wins; decode tiles only).
+                    per CTA (the tuner picks it where that wins). A prefill tile finishes
+                    only gemm1's activation, in its epilogue (`paired_activation`).
     steady_loop:    decode: while whole batches remain, run a copy of the main loop without
                     the per-slab range checks (fewer instructions per slab where
                     dequantisation is issue-bound, but more code and registers).
@@ -126,9 +134,8 @@ class GemmTile:
     trim_padding: bool = False
 
     def __attrs_post_init__(self):
-        for option in ("fused_reduction", "steady_loop"):
-            if getattr(self, option) and self.a_in_shared:
-                raise ValueError(f"{option} is for decode tiles (no a_in_shared), got {self}")
+        if self.steady_loop and self.a_in_shared:
+            raise ValueError(f"steady_loop is for decode tiles (no a_in_shared), got {self}")
         if self.trim_padding and not self.trimmable:
             raise ValueError(f"trim_padding is for prefill tiles (a_in_shared) with warps_m = 1 and block_m >= 32, "
                              f"got {self}")
@@ -162,6 +169,21 @@ class GemmTile:
         """(x, y, z) CTAs: token blocks and output chunks in `chunks_first` order, K splits."""
         chunks = -(-n // self.block_n)
         return (chunks, num_blocks, self.split_k) if self.chunks_first else (num_blocks, chunks, self.split_k)
+
+
+def paired_activation(tile: GemmTile, activation: Activation, n: int) -> bool:
+    """Whether gemm1 (n = 2I gate/up outputs) with the prefill `tile` can finish
+    `activation` in its epilogue, with no counters and no partials: gate and up in halves
+    [gate | up] of a row, one K split, and I in whole runs of warps_n / 2 chunks. The
+    CTA's first warps_n / 2 warps then multiply gate chunks and the others the up chunks
+    of the same features, so the two warps of a pair hold a feature's gate and up at the
+    same fragment position; each hands half of its tile to the other through the stage
+    buffers (idle after the main loop, and large enough: the check below) and finishes
+    the other half."""
+    half_n = tile.warps_n // 2
+    exchange_fits = 16 * tile.warps_n <= tile.stages * (tile.stage_slabs * SLAB_K // 2 + 4)  # words per row
+    return (tile.a_in_shared and tile.split_k == 1 and half_n >= 1 and gate_up_halves(activation)
+            and (n // 2) % (CHUNK_N * half_n) == 0 and exchange_fits)
 
 
 SHARED_MEMORY_BYTES = 48 * 1024  # static shared memory a kernel may declare
@@ -231,6 +253,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     a_units_per_row = stage_slabs * SLAB_K // 8
     a_units = block_m * a_units_per_row
     a_copies = -(-a_units // threads)
+    a_stage_words = stages * block_m * row_words  # the activation stage buffers, all stages
     staged = None
     if a_in_shared:
         if not pair_loads:
@@ -246,10 +269,22 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         raise ValueError(f"{tile} needs {shared_bytes} bytes of shared memory for {spec.name}, more than "
                          f"{SHARED_MEMORY_BYTES}: use fewer stages, slabs or rows")
     wait_copies, wait_first_stage = ptx.wait_copies[max(stages - 2, 0)], ptx.wait_copies[stages - 1]
-    if fused is not None and not partial_output:
+    # A prefill tile finishes gemm1's activation in its epilogue (`paired_activation`);
+    # a decode tile finishes either reduction from float32 partials (`epilogue`).
+    paired = fused is not None and a_in_shared
+    if paired and not (fused[0] == "activation" and paired_activation(tile, fused[1], n)):
+        raise ValueError(f"{tile} cannot finish {fused} in its epilogue (see gemm.paired_activation)")
+    if paired and partial_output:
+        raise ValueError("a prefill tile finishes the activation from its half outputs: build with "
+                         "partial_output=False")
+    if fused is not None and not paired and not partial_output:
         raise ValueError("a fused reduction reads float32 partials: build with partial_output=True")
-    finishes = fused is not None
+    finishes = fused is not None and not paired
     finish = make_finisher(fused, n, block_m, tile.block_n, tile.split_k, threads, half) if finishes else None
+    apply = _pointwise(fused[1]) if paired else None
+    half_to_f32 = ptx.half_to_f32(half)
+    half_n = max(warps_n // 2, 1)  # paired: gate warps, then as many up warps
+    up_chunks = n // 2 // CHUNK_N  # paired: the first up chunk
 
     @ptx.device
     def activation_pair(act, k_order, expert, row, kp):
@@ -556,6 +591,51 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                 used = row // 16 + 1
         return used
 
+    # -- paired activation (prefill gemm1): the warps of a pair swap half their tiles -------------
+
+    def pair_half(is_up: bool):
+        """hand_over and finish for the gate (False) or the up (True) warp of a pair: the
+        gate warp finishes n8 tiles 0-3, the up warp 4-7. Built per role and per (m tile,
+        row half) in Python and chained (`then`), so every accumulator index is a constant:
+        a loop the compiler kept rolled put `acc` in local memory, main loop included."""
+        keep, give = (4, 0) if is_up else (0, 4)
+
+        def hand_over_step(mt: int):
+            @ptx.device
+            def hand_over(acc, a_tiles, team, multiplier, lane):
+                """Write the half of this warp's tile that its partner finishes, rounded
+                to halves as gemm1's output would be."""
+                for q in range(4):
+                    for r in range(2):
+                        a_tiles[((team * m_tiles + mt) * 8 + 2 * q + r) * 32 + lane] = pack2(acc[mt, give + q, 2 * r] * multiplier,
+                                                      acc[mt, give + q, 2 * r + 1] * multiplier)
+
+            return hand_over
+
+        def finish_step(mt: int, r: int):
+            @ptx.device
+            def finish(acc, a_tiles, out, slots, num_slots, partner, gate_chunk, multiplier, first_row, lane):
+                """out[slot, c] = act(gate, up) for this warp's half of one row, its partner's
+                operands read from the exchange; computed as the activation kernel computes
+                it from gemm1's half outputs (0 + x in float32, `apply`, rounded once)."""
+                slot = slots[first_row + 16 * mt + lane // 4 + 8 * r]
+                if slot < num_slots:
+                    for q in range(4):
+                        own = pack2(acc[mt, keep + q, 2 * r] * multiplier, acc[mt, keep + q, 2 * r + 1] * multiplier)
+                        other = a_tiles[((partner * m_tiles + mt) * 8 + 2 * q + r) * 32 + lane]
+                        gate, up = (other, own) if is_up else (own, other)
+                        first = apply(ZERO + half_to_f32(gate), ZERO + half_to_f32(up))
+                        second = apply(ZERO + half_to_f32(gate >> uint32(16)), ZERO + half_to_f32(up >> uint32(16)))
+                        col = gate_chunk * CHUNK_N + 8 * (keep + q) + 2 * (lane % 4)
+                        out[slot, col // 2] = int32(pack2(first, second))
+
+            return finish
+
+        return (functools.reduce(then, [hand_over_step(mt) for mt in range(m_tiles)]),
+                functools.reduce(then, [finish_step(mt, r) for mt in range(m_tiles) for r in range(2)]))
+
+    (hand_over_gate, finish_gate), (hand_over_up, finish_up) = pair_half(False), pair_half(True)
+
     @ptx.device
     def store(out, split, slot, col, value):
         if col < size_n:
@@ -598,8 +678,13 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         wn = (warp // warps_k) % warps_n
         wm = warp // (warps_k * warps_n)
         first_row = wm * warp_rows
-        chunk = column * warps_n + wn
+        # The CTA's chunks: warps_n in a row, or (paired) gate chunks and their up chunks.
+        gate_chunk, is_up = column * half_n + wn % half_n, wn >= half_n
+        chunk = gate_chunk + up_chunks * int32(is_up) if paired else column * warps_n + wn
         split = cuda.blockIdx.z
+        if a_in_shared:
+            a_tiles = cuda.shared.array(a_stage_words, uint32)  # stages x block_m x row_words, by flat offsets
+            w_tiles = cuda.shared.array((stages, stage_words), uint32)
 
         acc = cuda.local.array((acc_i, acc_j, 4), float32)
         for i in range(acc_i):
@@ -612,15 +697,16 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         if expert >= 0 and start_slab < end_slab:
             params = cuda.local.array(16, uint32)
             if a_in_shared:
-                a_tiles = cuda.shared.array((stages, block_m, row_words), uint32)
-                w_tiles = cuda.shared.array((stages, stage_words), uint32)
                 raw = cuda.local.array(raw_words, uint32)
                 a_source = cuda.local.array(a_copies, int64)
                 a_target = cuda.local.array(a_copies, uint32)
                 a_slab = cuda.local.array(a_copies, uint32)
                 plan_activation_copies(slots, num_slots, rows_div, tid, a_source, a_target, a_slab)
                 w_source = cuda.local.array(w_copies, int64)
-                plan_weights(expert, column * warps_n, tid, w_source)
+                if paired:
+                    plan_weights(expert, column * half_n, up_chunks + column * half_n, tid, w_source)
+                else:
+                    plan_weights(expert, column * warps_n, column * warps_n + warps_n // 2, tid, w_source)
                 a_lane = (first_row + lane % 16) * row_words + 4 * (lane // 16)
                 # Operands of two slabs live in registers: slot d % 2 is multiplied while the
                 # next slab's are loaded and decoded. The stage's barrier comes before its last
@@ -699,8 +785,24 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                             for c in range(4):
                                 acc[i, j, c] += partial[other, team, ((i * acc_j + j) * 4 + c) * 32 + lane]
 
-        if wk == 0:
-            multiplier = output_scale(weights, expert) if expert >= 0 else float32(0.0)
+        multiplier = output_scale(weights, expert) if expert >= 0 else float32(0.0)
+        if paired:  # every copy has landed (the last stage's wait); once no warp reads the stages:
+            team = warp // warps_k
+            cuda.syncthreads()
+            if wk == 0:
+                if is_up:
+                    hand_over_up(acc, a_tiles, team, multiplier, lane)
+                else:
+                    hand_over_gate(acc, a_tiles, team, multiplier, lane)
+            cuda.syncthreads()
+            if wk == 0:
+                if is_up:
+                    finish_up(acc, a_tiles, reduced, slots, num_slots, team - half_n, gate_chunk, multiplier, first_row,
+                              lane)
+                else:
+                    finish_gate(acc, a_tiles, reduced, slots, num_slots, team + half_n, gate_chunk, multiplier,
+                                first_row, lane)
+        elif wk == 0:
             for mt in range(m_tiles):
                 for r in range(2):  # this lane's slots: rows g and g + 8 of the m tile, or slots 2t, 2t + 1 swapped
                     slot = slots[2 * t + r] if swap_ab else slots[first_row + 16 * mt + g + 8 * r]
@@ -766,15 +868,20 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
     num_slots:               M * top_k; slot ids at or above it are padding.
     topk_weights:            (M, top_k) float32 to multiply each slot's output by, or None.
     out / partial_output:    the output, (num_slots, N) in act's dtype, or with
-                             partial_output (forced when tile.split_k > 1 or with `then`;
-                             by default also for a float32 `out`) float32
-                             (split_k, num_slots, N) partial sums over K.
-    then:                    the reduction that reads the partials, finished by the GEMM
-                             itself (`epilogue`): `FusedActivation` (gemm1) or
-                             `FusedCombine` (gemm2); its arrival counters must be zeros.
+                             partial_output (forced when tile.split_k > 1 or with `then`
+                             on a decode tile; by default also for a float32 `out`)
+                             float32 (split_k, num_slots, N) partial sums over K.
+    then:                    the reduction that reads the output, finished by the GEMM
+                             itself: on a decode tile from the partials (`epilogue`),
+                             `FusedActivation` (gemm1) or `FusedCombine` (gemm2), whose
+                             arrival counters must be zeros; on a prefill tile a
+                             `FusedActivation` that `paired_activation` allows, finished in
+                             the epilogue: `out` is then not written (None allocates nothing).
     alignment_ready:         the alignment was written before the kernel launched ahead of
                              this one started (see make_grouped_gemm): under early launch
                              the first weight loads need not wait for that kernel.
+
+    Returns `out`, or then.out where `out` was not written.
     """
     act = interop.check_tensor("act", act, dtype=(torch.bfloat16, torch.float16), ndim=2)
     half = interop.HALF_NAMES[act.dtype]
@@ -792,10 +899,15 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
                          f"({sorted_token_ids.shape[0]}) in blocks of {tile.block_m}: align with block_size = block_m")
     if out is not None:
         out = interop.as_tensor(out, "out")
+    paired = then is not None and tile.a_in_shared  # finished in the epilogue, from half outputs
+    if paired and partial_output:
+        raise ValueError("a prefill tile finishes then= from half outputs: pass partial_output=False (or leave it unset)")
     if partial_output is None:  # a float32 `out` holds partials (activations, hence outputs, are halves)
-        partial_output = tile.split_k > 1 or then is not None or (out is not None and out.dtype == torch.float32)
-    if (tile.split_k > 1 or then is not None) and not partial_output:
-        raise ValueError("split_k > 1 and then= produce float32 partials: pass partial_output=True (or leave it unset)")
+        partial_output = (tile.split_k > 1 or (then is not None and not paired)
+                          or (out is not None and out.dtype == torch.float32))
+    if (tile.split_k > 1 or (then is not None and not paired)) and not partial_output:
+        raise ValueError("split_k > 1 and then= on a decode tile produce float32 partials: pass partial_output=True "
+                         "(or leave it unset)")
     if topk_weights is None:
         weights_flat = interop.stand_in(1.0, torch.float32, act.device)
     else:
@@ -804,9 +916,10 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
             raise ValueError(f"topk_weights must hold num_slots = {num_slots} weights, got shape {tuple(topk_weights.shape)}")
         weights_flat = topk_weights.reshape(-1)
     expected = (tile.split_k, num_slots, n) if partial_output else (num_slots, n)
-    if out is None:
-        out = interop.empty(expected, torch.float32 if partial_output else act.dtype)
-    out = interop.check_tensor("out", out, dtype=torch.float32 if partial_output else act.dtype, shape=expected)
+    if out is not None or not paired:
+        if out is None:
+            out = interop.empty(expected, torch.float32 if partial_output else act.dtype)
+        out = interop.check_tensor("out", out, dtype=torch.float32 if partial_output else act.dtype, shape=expected)
     pairs = pair_loads(k, weights.spec)
     if tile.a_in_shared:
         if not prefill_supported(weights.spec, n, k, half, tile):
@@ -819,24 +932,36 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
     else:
         if topk_weights is not None:
             raise ValueError("topk_weights multiplies the GEMM's output: with then=, pass the weights to FusedCombine")
+        if paired and not (isinstance(then, FusedActivation) and isinstance(then.activation, Activation)
+                           and paired_activation(tile, then.activation, n)):
+            what = then.activation if isinstance(then, FusedActivation) else type(then).__name__
+            raise ValueError(f"then: a prefill tile finishes only a gated [gate | up] activation, with split_k = 1, "
+                             f"warps_n >= 2, I = {n // 2} in whole runs of warps_n / 2 chunks of {CHUNK_N} and "
+                             f"16 * warps_n <= stages * (8 * stage_slabs + 4) (gemm.paired_activation); got {what} "
+                             f"with {tile}: run the reduction after the GEMM instead")
         reduced, arrivals, combine_weights = check_fused(then, n=n, block_n=tile.block_n, blocks=expert_ids.shape[0],
-                                                         num_slots=num_slots, half=act.dtype)
+                                                         num_slots=num_slots, half=act.dtype, counters=not paired)
         if combine_weights is not None:
             weights_flat = combine_weights.reshape(-1)
+        if paired:
+            reduced = reduced.view(torch.int32)  # pair stores
     kernel = make_grouped_gemm(weights.spec, n, k, tile, half, partial_output, topk_weights is not None, pairs,
                                None if then is None else then.kind, alignment_ready)
     grid = tile.grid(expert_ids.shape[0], n)
     if max(grid[1:]) > MAX_GRID_YZ:
         raise ValueError(f"{tile} needs a grid of {grid} CTAs: y and z may not exceed {MAX_GRID_YZ} "
                          f"(fewer token blocks: a larger block_m, or chunks_first=False)")
-    out_words = out.view(torch.int32) if stores_pairs(tile, n, partial_output) else out
+    if out is None:  # paired, nothing to write
+        out_words = interop.stand_in(0, torch.int32, act.device)
+    else:
+        out_words = out.view(torch.int32) if stores_pairs(tile, n, partial_output) else out
     launch_kernel(
         kernel, grid, tile.threads,
         activation_array(act, pairs), weights.arrays(), interop.to_kernel(sorted_token_ids), interop.to_kernel(expert_ids),
         interop.to_kernel(num_tokens_post_padded), interop.to_kernel(weights_flat), interop.to_kernel(out_words),
         interop.to_kernel(reduced), interop.to_kernel(arrivals), np.int32(num_slots), np.int32(num_slots // act.shape[0]),
         waits=True)
-    return out
+    return then.out if out is None else out
 
 
 def reference_grouped_gemm(act: np.ndarray, dense_weights: np.ndarray, sorted_token_ids, expert_ids,

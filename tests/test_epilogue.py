@@ -10,7 +10,7 @@ from fusing import SeparateReductions, fuse_every_tile
 from layouts import formats
 from layouts.strategies import random_quantized
 from moe import MoEConfig, MoEHooks, MoELayer, QuantScheme
-from moe.oracle import heuristic_backend
+from moe.oracle import Backend, heuristic_backend
 from numba_kernels import interop
 from numba_kernels.activation import Activation, activate
 from numba_kernels.align import moe_align_block_size
@@ -25,17 +25,17 @@ SPLIT = GemmTile(block_m=16, warps_k=1, slabs_per_warp=1, split_k=2, fused_reduc
 SWAP_SPLIT = GemmTile(block_m=8, warps_k=1, slabs_per_warp=1, split_k=2, swap_ab=True, fused_reduction=True)
 
 
-def setup(shape, *, tokens, top_k, tile, seed=0, per_slot=False):
-    """Weights (E, N, K) as int4 group 32, activations, alignment for `tile`, routing."""
+def setup(shape, *, tokens, top_k, tile, seed=0, per_slot=False, half=torch.bfloat16):
+    """Weights (E, N, K) as int4 group 32, `half` activations, alignment for `tile`, routing."""
     rng = np.random.default_rng(seed)
-    spec = formats.native(4, 32)
+    spec = formats.native(4, 32, half=interop.HALF_NAMES[half])
     weights = KernelWeights.from_physical(spec, spec.pack(random_quantized(spec, shape, rng)), shape)
     device = interop.kernel_device()
     topk_ids = torch.tensor(np.stack([rng.permutation(shape[0])[:top_k] for _ in range(tokens)]), dtype=torch.int32,
                             device=device)
     topk_weights = torch.tensor(rng.uniform(0.1, 1.0, (tokens, top_k)), dtype=torch.float32, device=device)
     rows = tokens * top_k if per_slot else tokens
-    act = torch.tensor(0.1 * rng.standard_normal((rows, shape[2])), dtype=torch.float32).to(torch.bfloat16).to(device)
+    act = torch.tensor(0.1 * rng.standard_normal((rows, shape[2])), dtype=torch.float32).to(half).to(device)
     alignment = moe_align_block_size(topk_ids, tile.block_m, shape[0], check_ids=False)
     return weights, act, alignment, topk_ids, topk_weights
 
@@ -117,9 +117,50 @@ def test_bad_fused_arguments_raise_errors_naming_the_argument():
                      then=FusedActivation(Activation("swigluoai"), out, arrivals()))
 
 
-def test_only_decode_tiles_fuse():
-    with pytest.raises(ValueError, match="fused_reduction is for decode tiles"):
-        GemmTile(block_m=32, warps_k=1, a_in_shared=True, fused_reduction=True)
+PAIRED = GemmTile(block_m=32, warps_n=4, warps_k=1, slabs_per_warp=2, stages=4, a_in_shared=True, fused_reduction=True)
+
+
+@pytest.mark.parametrize("tile,n,half", [
+    (PAIRED, 512, torch.bfloat16),  # two CTA columns of two gate and two up chunks each
+    (attrs.evolve(PAIRED, warps_n=2, trim_padding=True, chunks_first=True), 256, torch.float16)])
+def test_prefill_tile_finishes_the_activation_in_its_epilogue(tile, n, half):
+    """The gate and up warps of each pair swap half their tiles through the stage buffers:
+    the result is the activation kernel's on gemm1's half outputs, bit for bit, padding
+    rows untouched and a block of another rank's expert (-1) zeros."""
+    tokens, top_k, silu = 5, 2, Activation("silu")
+    weights, act, (sorted_ids, expert_ids, padded), _, _ = setup((4, n, 32), tokens=tokens, top_k=top_k, tile=tile,
+                                                                 half=half)
+    slots = tokens * top_k
+    expert_ids = expert_ids.clone()
+    expert_ids[1] = -1
+    alignment = (sorted_ids, expert_ids, padded)
+    expected = activate(grouped_gemm(act, weights, *alignment, num_slots=slots, tile=tile), silu, out_dtype=half)
+    out = torch.full_like(expected, float("nan"))
+    written = grouped_gemm(act, weights, *alignment, num_slots=slots, tile=tile,
+                           then=FusedActivation(silu, out, arrivals(0)))
+    assert written is out
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+    assert (expected == 0).all(dim=1).any()  # the -1 block's rows
+
+
+def test_prefill_tiles_finish_only_an_activation_they_can_pair():
+    weights, act, alignment, _, topk_weights = setup((4, 256, 32), tokens=3, top_k=2, tile=PAIRED)
+    call = dict(num_slots=6, tile=PAIRED)
+    out = torch.empty(6, 128, dtype=torch.bfloat16, device=act.device)
+    combined = torch.empty(3, 256, dtype=torch.bfloat16, device=act.device)
+    for then in (FusedCombine(topk_weights, combined, arrivals()),  # the combine stays a kernel
+                 FusedActivation(Activation("swigluoai"), out, arrivals())):  # interleaved: no pairs of warps
+        with pytest.raises(ValueError, match="finishes only a gated"):
+            grouped_gemm(act, weights, *alignment, **call, then=then)
+    silu = FusedActivation(Activation("silu"), out, arrivals())
+    for tile in (attrs.evolve(PAIRED, warps_n=1), attrs.evolve(PAIRED, stages=2),  # 64 exchange words a row > 2 x 20
+                 attrs.evolve(PAIRED, split_k=2)):
+        with pytest.raises(ValueError, match="finishes only a gated"):
+            grouped_gemm(act, weights, *alignment, num_slots=6, tile=tile, then=silu)
+    with pytest.raises(ValueError, match="from half outputs"):
+        grouped_gemm(act, weights, *alignment, **call, partial_output=True, then=silu)
+    with pytest.raises(ValueError, match="steady_loop is for decode tiles"):
+        GemmTile(block_m=32, warps_k=1, a_in_shared=True, steady_loop=True)
 
 
 def test_layer_with_fused_tiles_runs_three_kernels_and_matches_the_separate_ones(monkeypatch):
@@ -138,3 +179,27 @@ def test_layer_with_fused_tiles_runs_three_kernels_and_matches_the_separate_ones
     layer.hooks = SeparateReductions()
     separate = layer(hidden, logits)
     assert torch.equal(fused_out.view(torch.int16), separate.view(torch.int16))
+
+
+def test_layer_with_a_prefill_gemm1_finishing_the_activation_runs_no_activation_kernel(monkeypatch):
+    """gemm1 on a prefill tile finishes the activation in its epilogue; gemm2's combine
+    stays a kernel (a prefill tile has no counters): the same bits as the separate kernels."""
+    tile = GemmTile(block_m=32, warps_n=2, warps_k=1, slabs_per_warp=2, stages=2, a_in_shared=True)
+    fuse_every_tile(monkeypatch, lambda config, tokens, spec: Backend(32, tile, tile))
+    config = MoEConfig(num_experts=4, top_k=2, hidden_size=32, intermediate_size=64,
+                       quant=QuantScheme("native", bits=4, group_size=32))
+    layer = MoELayer(config, max_tokens=1)
+    layer.weights.fill_random(seed=1)
+    generator = torch.Generator().manual_seed(1)
+    hidden = (0.1 * torch.randn(1, 32, generator=generator)).to(torch.bfloat16).to(interop.kernel_device())
+    logits = torch.randn(1, 4, generator=generator).to(interop.kernel_device())
+    layer.hooks = MoEHooks()
+    with recording() as calls:
+        fused_out = layer(hidden, logits).clone()
+    assert [call.kernel.py_func.__name__ for call in calls][-3:] == ["grouped_gemm", "grouped_gemm", "combine_kernel"]
+    layer.hooks = SeparateReductions()
+    with recording() as calls:
+        separate = layer(hidden, logits)
+    assert len(calls) == 5
+    assert torch.equal(fused_out.view(torch.int16), separate.view(torch.int16))
+    assert separate.abs().sum() > 0

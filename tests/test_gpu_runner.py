@@ -4,6 +4,8 @@ converting checkpoints, correct results on two streams at once, DLPack inputs fr
 and JAX, prefill tiles, the batched layout, the tuner's timing, and every tuned entry of
 this device's table on its own shape."""
 
+import gc
+
 import numpy as np
 import pytest
 import torch
@@ -107,6 +109,7 @@ def test_checkpoint_conversion_needs_about_one_expert_of_extra_memory():
                        quant=QuantScheme("gptq", group_size=128))
     checkpoint = random_checkpoint(config, np.random.default_rng(1))
     layer = MoELayer(config, max_tokens=16)
+    gc.collect()  # an earlier test's garbage freed during the conversion made memory_allocated drop below resident
     torch.cuda.synchronize()
     resident = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -233,3 +236,29 @@ def test_fused_reductions_equal_the_separate_kernels_bit_for_bit(shape, quant, m
         backend = select_fused(config, tokens, layer.weights.spec)
         assert backend.gemm1.fused_reduction and not backend.gemm1.a_in_shared
         assert not layer.workspace.buffers(tokens, backend).arrivals.any()
+
+
+@pytest.mark.parametrize("shape", sorted(REALISTIC))
+@pytest.mark.parametrize("quant", [QuantScheme("native", bits=4, group_size=128), QuantScheme("nvfp4")])
+def test_prefill_gemm1_finishing_the_activation_equals_the_separate_kernels(shape, quant, monkeypatch):
+    """Prefill gemm1 tiles that finish the activation in their epilogue (the gate and up
+    warps of a pair swap half their tiles through shared memory), at the saved entries'
+    token counts: the same bits as the activation kernel on gemm1's half outputs."""
+    select_fused = fuse_every_tile(monkeypatch, moe.oracle.select_backend)
+    config = MoEConfig(**REALISTIC[shape], quant=quant)
+    layer = MoELayer(config, max_tokens=4096)
+    layer.weights.fill_random(seed=5)
+    paired = 0
+    for tokens in (256, 1024, 4096):
+        backend = select_fused(config, tokens, layer.weights.spec)
+        if not (backend.gemm1.a_in_shared and moe.oracle.fused_activation_kind(config, backend.gemm1)):
+            continue
+        paired += 1
+        hidden, logits = _inputs(config, tokens, tokens)
+        fused = layer(hidden, logits).clone()
+        layer.hooks = SeparateReductions()
+        separate = layer(hidden, logits).clone()
+        layer.hooks = None
+        assert torch.isfinite(separate).all()
+        assert torch.equal(fused.view(torch.int16), separate.view(torch.int16)), f"M={tokens}"
+    assert paired

@@ -9,6 +9,7 @@ import pytest
 import moe.oracle
 import moe.tune
 from moe import MoEConfig, QuantScheme, select_backend
+from moe.oracle import activation_finishable
 from moe.tune import ProgressBar, candidate_tiles, refine_candidates, save, tune
 from moe.weights import kernel_spec
 from numba_kernels.gemm import GemmTile
@@ -63,8 +64,15 @@ def test_candidates_are_valid_tiles_of_the_right_family(tokens):
     prefill = {t for t in tiles if t.a_in_shared}  # each prefill shape in both CTA orders...
     assert {attrs.evolve(t, chunks_first=not t.chunks_first) for t in prefill} == prefill
     trimmed = {t for t in prefill if t.trim_padding}  # ...with and without trimming where it applies
+    plain = {t for t in prefill if not t.fused_reduction}
     assert {attrs.evolve(t, trim_padding=False) for t in trimmed} == {t for t in prefill if t.trimmable} - trimmed
     assert bool(trimmed) == bool(prefill)
+    # gemm1's with the activation in the epilogue where the tile can pair gate and up warps
+    fused = {t for t in prefill if t.fused_reduction}
+    assert {attrs.evolve(t, fused_reduction=False) for t in fused} == {
+        t for t in plain if activation_finishable(qwen3, attrs.evolve(t, fused_reduction=True))}
+    assert bool(fused) == bool(prefill)
+    assert not any(t.fused_reduction for t in candidate_tiles(tokens, qwen3, 768) if t.a_in_shared)  # gemm2
 
 
 def test_progress_bar_counts_to_the_total():
@@ -88,3 +96,5 @@ def test_refine_times_the_current_choice_and_its_flipped_options():
     assert len(prefill) == 3 and all(t.a_in_shared for t in prefill) and prefill[0].trimmable
     assert prefill[1:] == [attrs.evolve(prefill[0], chunks_first=not prefill[0].chunks_first),
                            attrs.evolve(prefill[0], trim_padding=not prefill[0].trim_padding)]
+    gemm1 = refine_candidates(4096, mixtral, mixtral.hidden_size)  # also with the activation flipped
+    assert gemm1[2] == attrs.evolve(gemm1[0], fused_reduction=not gemm1[0].fused_reduction)
