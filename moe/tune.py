@@ -5,9 +5,9 @@ For each token count M it routes M random tokens, and for each alignment block s
 times every candidate tile of gemm1 and of gemm2 on that alignment (CUDA-graph replays,
 L2 flushed), each together with the reduction that reads its output as the layer runs it
 (gemm1 -> activation, gemm2 -> combine: fused into a decode GEMM's last CTAs, gemm1's
-activation into a prefill GEMM's epilogue, else a kernel of its own; a K split in S parts makes it sum S partials, which the
-GEMM alone does not show), keeping the fastest pair; the block size
-with the smallest sum wins. A candidate's time is the mean over `routings` random
+activation into a prefill GEMM's epilogue, else a kernel of its own; a K split in S
+parts makes it sum S partials, which the GEMM alone does not show), keeping the fastest
+pair; the block size with the smallest sum wins. A candidate's time is the mean over `routings` random
 routings (3 by default): with a few slots per expert one draw can rank two tiles the
 other way round from the next (on the H200 one draw picked a Mixtral M = 16 gemm2 tile
 that the benchmark's own draw timed 1.36x slower). The candidates are the oracle's own
@@ -82,7 +82,7 @@ def candidate_tiles(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTile
                 tile = GemmTile(block_m=block_m, warps_m=warps_m, warps_n=warps_n, warps_k=1, slabs_per_warp=depth,
                                 stages=stages, a_in_shared=True, chunks_first=chunks_first)
                 variants = [tile, attrs.evolve(tile, trim_padding=True)] if tile.trimmable else [tile]
-                if k == config.hidden_size and activation_finishable(config, attrs.evolve(tile, fused_reduction=True)):
+                if k == config.hidden_size and activation_finishable(config, tile):
                     variants += [attrs.evolve(variant, fused_reduction=True) for variant in variants]  # gemm1's activation
                 tiles += variants
     return tiles
@@ -106,8 +106,7 @@ def refine_candidates(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTi
                 tiles.append(attrs.evolve(tile, steady_loop=not tile.steady_loop))
                 tiles += [attrs.evolve(tile, warps_k=warps_k) for warps_k in (tile.warps_k // 2, tile.warps_k * 2)
                           if 1 <= warps_k <= 8]
-            if tile.swap_ab or (first and tile.a_in_shared
-                                and activation_finishable(config, attrs.evolve(tile, fused_reduction=True))):
+            if tile.swap_ab or (first and tile.a_in_shared and activation_finishable(config, tile)):
                 tiles.append(attrs.evolve(tile, fused_reduction=not tile.fused_reduction))
             if tile.trimmable:
                 tiles.append(attrs.evolve(tile, trim_padding=not tile.trim_padding))

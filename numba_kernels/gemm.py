@@ -165,6 +165,12 @@ class GemmTile:
     def stage_slabs(self) -> int:
         return self.warps_k * self.slabs_per_warp
 
+    @property
+    def row_words(self) -> int:
+        """Words per activation row of a prefill stage buffer: the stage's K as half pairs,
+        padded by 4 so that `ldmatrix`'s 8 rows x 16 bytes hit 32 banks."""
+        return self.stage_slabs * SLAB_K // 2 + 4
+
     def grid(self, num_blocks: int, n: int) -> tuple[int, int, int]:
         """(x, y, z) CTAs: token blocks and output chunks in `chunks_first` order, K splits."""
         chunks = -(-n // self.block_n)
@@ -181,7 +187,7 @@ def paired_activation(tile: GemmTile, activation: Activation, n: int) -> bool:
     buffers (idle after the main loop, and large enough: the check below) and finishes
     the other half."""
     half_n = tile.warps_n // 2
-    exchange_fits = 16 * tile.warps_n <= tile.stages * (tile.stage_slabs * SLAB_K // 2 + 4)  # words per row
+    exchange_fits = 16 * tile.warps_n <= tile.stages * tile.row_words  # the exchange's words per block row
     return (tile.a_in_shared and tile.split_k == 1 and half_n >= 1 and gate_up_halves(activation)
             and (n // 2) % (CHUNK_N * half_n) == 0 and exchange_fits)
 
@@ -249,7 +255,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     pairs_per_row = size_k // 2
     # Prefill: a stage's activations are block_m rows of row_words words, copied in
     # 16-byte units (4 per slab and row); its weights are `staged` words per buffer.
-    row_words = stage_slabs * SLAB_K // 2 + 4  # padding: ldmatrix's 8 rows x 16 bytes hit 32 banks
+    row_words = tile.row_words
     a_units_per_row = stage_slabs * SLAB_K // 8
     a_units = block_m * a_units_per_row
     a_copies = -(-a_units // threads)
@@ -273,7 +279,10 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     # a decode tile finishes either reduction from float32 partials (`epilogue`).
     paired = fused is not None and a_in_shared
     if paired and not (fused[0] == "activation" and paired_activation(tile, fused[1], n)):
-        raise ValueError(f"{tile} cannot finish {fused} in its epilogue (see gemm.paired_activation)")
+        raise ValueError(f"then: a prefill tile finishes only a gated [gate | up] activation, with split_k = 1, "
+                         f"warps_n >= 2, I = {n // 2} in whole runs of warps_n / 2 chunks of {CHUNK_N} and "
+                         f"16 * warps_n <= stages * row_words (gemm.paired_activation); got "
+                         f"{fused[1] if fused[0] == 'activation' else 'the combine'} with {tile}: run the reduction after the GEMM instead")
     if paired and partial_output:
         raise ValueError("a prefill tile finishes the activation from its half outputs: build with "
                          "partial_output=False")
@@ -932,13 +941,6 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
     else:
         if topk_weights is not None:
             raise ValueError("topk_weights multiplies the GEMM's output: with then=, pass the weights to FusedCombine")
-        if paired and not (isinstance(then, FusedActivation) and isinstance(then.activation, Activation)
-                           and paired_activation(tile, then.activation, n)):
-            what = then.activation if isinstance(then, FusedActivation) else type(then).__name__
-            raise ValueError(f"then: a prefill tile finishes only a gated [gate | up] activation, with split_k = 1, "
-                             f"warps_n >= 2, I = {n // 2} in whole runs of warps_n / 2 chunks of {CHUNK_N} and "
-                             f"16 * warps_n <= stages * (8 * stage_slabs + 4) (gemm.paired_activation); got {what} "
-                             f"with {tile}: run the reduction after the GEMM instead")
         reduced, arrivals, combine_weights = check_fused(then, n=n, block_n=tile.block_n, blocks=expert_ids.shape[0],
                                                          num_slots=num_slots, half=act.dtype, counters=not paired)
         if combine_weights is not None:
