@@ -15,6 +15,8 @@ helper                   PTX                                 used for
 ``to_half(x)``           cvt.rn.{bf16,f16}.f32               one float32 -> half bits
 ``half_to_f32(h)``       cvt.f32.f16 (bf16: a shift)         half bits -> float32
 ``f32_bits / bits_f32``  mov.b32 (libdevice bit casts)       integer bit tricks
+``exp_approx(x)``        ex2.approx (libdevice fast_expf)    silu's exponential
+``divide_approx(a, b)``  div.approx (libdevice fast_fdividef) silu's division
 ``load_u32x4(a, ...)``   load_words[4] at a[i, j, k]       16-byte loads by 3-D index
 ``load_words[n](a, i)``  ld.global.nc{,.v2,.v4}.u32          n words at flat element i
 ``load_shared[n](s, i)`` ld.shared{,.v2,.v4}.u32             n words of a shared array
@@ -429,6 +431,30 @@ def _gpu_bit_casts():
     return f32_bits, bits_f32
 
 
+def _gpu_fast_math():
+    from numba.cuda import libdevice
+
+    @device
+    def exp_approx(x):
+        return libdevice.fast_expf(float32(x))
+
+    @device
+    def divide_approx(a, b):
+        return libdevice.fast_fdividef(float32(a), float32(b))
+
+    return exp_approx, divide_approx
+
+
+def _twin_exp_approx(x):
+    with np.errstate(over="ignore"):
+        return np.exp(np.float32(x))
+
+
+def _twin_divide_approx(a, b):
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.float32(a) / np.float32(b)
+
+
 def _element_pointer(context, builder, array_type, array, offset_type, offset):
     """Generic address of flat element `offset` of a C-contiguous array."""
     struct = context.make_array(array_type)(context, builder, value=array)
@@ -577,6 +603,12 @@ def _twin_no_op():
 # ---------------------------------------------------------------------------------------
 
 f32_bits, bits_f32 = (_twin_f32_bits, _twin_bits_f32) if SIMULATED else _gpu_bit_casts()
+# exp_approx(x), divide_approx(a, b): float32 e^x and a / b from the special-function unit
+# (ex2.approx of x log2 e; a times rcp.approx b), a few ulp from the correctly rounded
+# results, in four instructions instead of libdevice's expf and IEEE division (tens, and
+# a slow-path branch). divide_approx gives 0 for 2^126 < |b| < 2^128. The twins compute
+# exactly: the GPU tests hold the approximations to the references' tolerances.
+exp_approx, divide_approx = (_twin_exp_approx, _twin_divide_approx) if SIMULATED else _gpu_fast_math()
 # load_words[n](array, offset): n = 1, 2 or 4 little-endian 32-bit words starting at flat
 # element `offset` of a C-contiguous integer array of any width (the address must be
 # aligned to the load's size); read-only cache path. No index arithmetic beyond one add.
