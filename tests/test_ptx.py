@@ -118,6 +118,26 @@ def test_bit_casts_and_sixteen_byte_loads_are_exact():
     np.testing.assert_array_equal(as_float, floats)
 
 
+def test_approximate_exp_and_division_are_within_a_few_ulp():
+    """silu's helpers: e^x to 4e-6 relative over [-20, 20] (ex2.approx of x log2 e: the
+    rounding of x log2 e grows with |x|), a / b to 2 ulp; exact under the simulator."""
+    @ptx.kernel
+    def run(x, a, b, exps, quotients):
+        i = cuda.grid(1)
+        if i < x.shape[0]:
+            exps[i] = ptx.exp_approx(x[i])
+            quotients[i] = ptx.divide_approx(a[i], b[i])
+
+    rng = np.random.default_rng(2)
+    x = rng.uniform(-20, 20, 256).astype(np.float32)
+    a = rng.standard_normal(256).astype(np.float32)
+    b = rng.uniform(0.5, 1e6, 256).astype(np.float32)
+    exps, quotients = np.zeros(256, np.float32), np.zeros(256, np.float32)
+    run[2, 128](x, a, b, exps, quotients)
+    np.testing.assert_allclose(exps, np.exp(x.astype(np.float64)), rtol=4e-6)
+    np.testing.assert_allclose(quotients, a.astype(np.float64) / b, rtol=3e-7)
+
+
 @pytest.mark.parametrize("dtype", [np.int32, np.int16, np.uint8])
 def test_flat_word_loads_read_little_endian_words_of_any_integer_width(dtype):
     load4, load2, load1 = ptx.load_words[4], ptx.load_words[2], ptx.load_words[1]
