@@ -16,7 +16,7 @@ helper                   PTX                                 used for
 ``half_to_f32(h)``       cvt.f32.f16 (bf16: a shift)         half bits -> float32
 ``f32_bits / bits_f32``  mov.b32 (libdevice bit casts)       integer bit tricks
 ``exp_approx(x)``        ex2.approx (libdevice fast_expf)    silu's exponential
-``divide_approx(a, b)``  div.approx (libdevice fast_fdividef) silu's division
+``divide_approx(a, b)``  div.approx (libdevice fdividef)     silu's division
 ``load_u32x4(a, ...)``   load_words[4] at a[i, j, k]       16-byte loads by 3-D index
 ``load_words[n](a, i)``  ld.global.nc{,.v2,.v4}.u32          n words at flat element i
 ``load_shared[n](s, i)`` ld.shared{,.v2,.v4}.u32             n words of a shared array
