@@ -163,21 +163,30 @@ def test_prefill_tiles_finish_only_an_activation_they_can_pair():
         GemmTile(block_m=32, warps_k=1, a_in_shared=True, steady_loop=True)
 
 
+def _fused_then_separate(config, tokens: int, seed: int):
+    """A small layer's forward with the reductions fused (ordinary launches, no post_gemm
+    hook), then with them as kernels of their own: ((kernel names, output) of each)."""
+    layer = MoELayer(config, max_tokens=tokens)
+    layer.weights.fill_random(seed=seed)
+    generator = torch.Generator().manual_seed(seed)
+    hidden = (0.1 * torch.randn(tokens, config.hidden_size, generator=generator)).to(torch.bfloat16)
+    logits = torch.randn(tokens, config.num_experts, generator=generator)
+    hidden, logits = hidden.to(interop.kernel_device()), logits.to(interop.kernel_device())
+    runs = []
+    for hooks in (MoEHooks(), SeparateReductions()):
+        layer.hooks = hooks
+        with recording() as calls:
+            out = layer(hidden, logits).clone()
+        runs.append(([call.kernel.py_func.__name__ for call in calls], out))
+    return runs
+
+
 def test_layer_with_fused_tiles_runs_three_kernels_and_matches_the_separate_ones(monkeypatch):
     fuse_every_tile(monkeypatch, heuristic_backend)
     config = MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=64,
                        quant=QuantScheme("native", bits=4, group_size=32))
-    layer = MoELayer(config, max_tokens=2)
-    layer.weights.fill_random(seed=0)
-    generator = torch.Generator().manual_seed(0)
-    hidden = (0.1 * torch.randn(2, 64, generator=generator)).to(torch.bfloat16).to(interop.kernel_device())
-    logits = torch.randn(2, 4, generator=generator).to(interop.kernel_device())
-    layer.hooks = MoEHooks()  # ordinary launches, recorded; no post_gemm hook: fused
-    with recording() as calls:
-        fused_out = layer(hidden, logits).clone()
-    assert [call.kernel.py_func.__name__ for call in calls] == ["route_and_align", "grouped_gemm", "grouped_gemm"]
-    layer.hooks = SeparateReductions()
-    separate = layer(hidden, logits)
+    (kernels, fused_out), (_, separate) = _fused_then_separate(config, tokens=2, seed=0)
+    assert kernels == ["route_and_align", "grouped_gemm", "grouped_gemm"]
     assert torch.equal(fused_out.view(torch.int16), separate.view(torch.int16))
 
 
@@ -188,18 +197,8 @@ def test_layer_with_a_prefill_gemm1_finishing_the_activation_runs_no_activation_
     fuse_every_tile(monkeypatch, lambda config, tokens, spec: Backend(32, tile, tile))
     config = MoEConfig(num_experts=4, top_k=2, hidden_size=32, intermediate_size=64,
                        quant=QuantScheme("native", bits=4, group_size=32))
-    layer = MoELayer(config, max_tokens=1)
-    layer.weights.fill_random(seed=1)
-    generator = torch.Generator().manual_seed(1)
-    hidden = (0.1 * torch.randn(1, 32, generator=generator)).to(torch.bfloat16).to(interop.kernel_device())
-    logits = torch.randn(1, 4, generator=generator).to(interop.kernel_device())
-    layer.hooks = MoEHooks()
-    with recording() as calls:
-        fused_out = layer(hidden, logits).clone()
-    assert [call.kernel.py_func.__name__ for call in calls][-3:] == ["grouped_gemm", "grouped_gemm", "combine_kernel"]
-    layer.hooks = SeparateReductions()
-    with recording() as calls:
-        separate = layer(hidden, logits)
+    (kernels, fused_out), (calls, separate) = _fused_then_separate(config, tokens=1, seed=1)
+    assert kernels[-3:] == ["grouped_gemm", "grouped_gemm", "combine_kernel"]
     assert len(calls) == 5
     assert torch.equal(fused_out.view(torch.int16), separate.view(torch.int16))
     assert separate.abs().sum() > 0

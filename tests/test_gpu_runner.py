@@ -207,6 +207,18 @@ REALISTIC = {"qwen3": dict(num_experts=128, top_k=8, hidden_size=2048, intermedi
              "mixtral": dict(num_experts=8, top_k=2, hidden_size=4096, intermediate_size=14336)}
 
 
+def _fused_equals_separate(layer, hidden, logits, label: str) -> torch.Tensor:
+    """The layer's output as it runs (fused reductions) equals, bit for bit, the output
+    with the reductions as kernels of their own; returns the latter."""
+    fused = layer(hidden, logits).clone()
+    layer.hooks = SeparateReductions()
+    separate = layer(hidden, logits).clone()
+    layer.hooks = None
+    assert torch.isfinite(separate).all()
+    assert torch.equal(fused.view(torch.int16), separate.view(torch.int16)), label
+    return separate
+
+
 @pytest.mark.parametrize("shape", sorted(REALISTIC))
 @pytest.mark.parametrize("quant", [QuantScheme("native", bits=4, group_size=128), QuantScheme("nvfp4")])
 def test_fused_reductions_equal_the_separate_kernels_bit_for_bit(shape, quant, monkeypatch):
@@ -219,12 +231,7 @@ def test_fused_reductions_equal_the_separate_kernels_bit_for_bit(shape, quant, m
     layer.weights.fill_random(seed=4)
     for tokens in (1, 4, 16):
         hidden, logits = _inputs(config, tokens, tokens)
-        fused = layer(hidden, logits).clone()
-        layer.hooks = SeparateReductions()
-        separate = layer(hidden, logits).clone()
-        layer.hooks = None
-        assert torch.isfinite(separate).all()
-        assert torch.equal(fused.view(torch.int16), separate.view(torch.int16)), f"M={tokens}"
+        separate = _fused_equals_separate(layer, hidden, logits, f"M={tokens}")
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static_out = layer(hidden, logits)
@@ -255,10 +262,5 @@ def test_prefill_gemm1_finishing_the_activation_equals_the_separate_kernels(shap
             continue
         paired += 1
         hidden, logits = _inputs(config, tokens, tokens)
-        fused = layer(hidden, logits).clone()
-        layer.hooks = SeparateReductions()
-        separate = layer(hidden, logits).clone()
-        layer.hooks = None
-        assert torch.isfinite(separate).all()
-        assert torch.equal(fused.view(torch.int16), separate.view(torch.int16)), f"M={tokens}"
+        _fused_equals_separate(layer, hidden, logits, f"M={tokens}")
     assert paired
