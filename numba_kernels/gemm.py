@@ -546,12 +546,14 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                 raw, params, frag_slots, a_slots, acc, a_source, a_target, a_slab, w_source, tid):
             load_slab(weights, expert, start_slab + own, own, read_chunk, chunk, lane, a_lane, a_tiles, w_tiles, 0,
                       raw, params, frag_slots[0], a_slots[0])
-            stage, buffer = start_slab, 0
-            while stage < end_slab:
-                after = buffer + 1 if buffer < stages - 1 else 0
+            # 32-bit stage and buffer counters: Numba's integers are 64-bit, and the
+            # loop's compares, selects and the copies' remaining-slab checks with them.
+            stage, end, buffer = uint32(start_slab), uint32(end_slab), uint32(0)
+            while stage < end:
+                after = uint32(buffer + 1) if buffer < uint32(stages - 1) else uint32(0)
                 multiply_stage(weights, expert, stage, own, read_chunk, chunk, lane, a_lane, a_tiles, w_tiles,
                                buffer, after, raw, params, frag_slots, a_slots, acc)
-                issue_stage(act, weights, stage + stages * stage_slabs, end_slab, a_source, a_target, a_slab,
+                issue_stage(act, weights, uint32(stage + stages * stage_slabs), end, a_source, a_target, a_slab,
                             w_source, a_tiles, w_tiles, buffer, tid)
                 if depth % 2:  # the next stage's first slab went to slot 1
                     for i in range(16):
@@ -559,7 +561,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                     for mt in range(tiles):
                         for w in range(4):
                             a_slots[0, mt, w] = a_slots[1, mt, w]
-                stage += stage_slabs
+                stage = uint32(stage + stage_slabs)
                 buffer = after
 
         return run
