@@ -546,14 +546,12 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                 raw, params, frag_slots, a_slots, acc, a_source, a_target, a_slab, w_source, tid):
             load_slab(weights, expert, start_slab + own, own, read_chunk, chunk, lane, a_lane, a_tiles, w_tiles, 0,
                       raw, params, frag_slots[0], a_slots[0])
-            # 32-bit stage and buffer counters: Numba's integers are 64-bit, and the
-            # loop's compares, selects and the copies' remaining-slab checks with them.
-            stage, end, buffer = uint32(start_slab), uint32(end_slab), uint32(0)
-            while stage < end:
+            stage, buffer = start_slab, uint32(0)  # 32-bit counters (the caller's uint32 bounds)
+            while stage < end_slab:
                 after = uint32(buffer + 1) if buffer < uint32(stages - 1) else uint32(0)
                 multiply_stage(weights, expert, stage, own, read_chunk, chunk, lane, a_lane, a_tiles, w_tiles,
                                buffer, after, raw, params, frag_slots, a_slots, acc)
-                issue_stage(act, weights, uint32(stage + stages * stage_slabs), end, a_source, a_target, a_slab,
+                issue_stage(act, weights, uint32(stage + stages * stage_slabs), end_slab, a_source, a_target, a_slab,
                             w_source, a_tiles, w_tiles, buffer, tid)
                 if depth % 2:  # the next stage's first slab went to slot 1
                     for i in range(16):
@@ -727,13 +725,16 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                 a_slots = cuda.local.array((2, m_tiles, 4), uint32)
                 read_chunk = wn if chunk < n_chunks else 0  # warps past N multiply chunk 0 and store nothing
                 own = wk * depth  # this warp's first slab in a stage
+                # The pipeline counts slabs and buffers in 32 bits: Numba's integers are
+                # 64-bit, and so were the main loop's compares, selects and copy bounds.
+                first_slab, last_slab = uint32(start_slab), uint32(end_slab)
                 for s in range(stages):
-                    issue_stage(act, weights, start_slab + s * stage_slabs, end_slab, a_source, a_target, a_slab,
-                                w_source, a_tiles, w_tiles, s, tid)
+                    issue_stage(act, weights, uint32(first_slab + s * stage_slabs), last_slab, a_source, a_target,
+                                a_slab, w_source, a_tiles, w_tiles, uint32(s), tid)
                 wait_first_stage()
                 cuda.syncthreads()
-                run_prefill(tiles_in_use(slots, num_slots) if trims else m_tiles, act, weights, expert, start_slab,
-                            end_slab, own, read_chunk, chunk, lane, a_lane, a_tiles, w_tiles, raw, params, frag_slots,
+                run_prefill(tiles_in_use(slots, num_slots) if trims else m_tiles, act, weights, expert, first_slab,
+                            last_slab, own, read_chunk, chunk, lane, a_lane, a_tiles, w_tiles, raw, params, frag_slots,
                             a_slots, acc, a_source, a_target, a_slab, w_source, tid)
             else:
                 weight_end = end_slab if chunk < n_chunks else start_slab  # no weights past N
