@@ -43,6 +43,9 @@ FAMILIES = {  # the oracle's tiles and the variants they were measured against
     "prefill-64x256-d1s6": attrs.evolve(PREFILL_TILE, slabs_per_warp=1, stages=6),
     "prefill-64x256-d2s3": attrs.evolve(PREFILL_TILE, slabs_per_warp=2, stages=3),
     "prefill-64x256-d2s4": attrs.evolve(PREFILL_TILE, slabs_per_warp=2, stages=4),
+    "prefill-64x256-d2s6": attrs.evolve(PREFILL_TILE, slabs_per_warp=2, stages=6),
+    "prefill-64x256-s2": attrs.evolve(PREFILL_TILE, stages=2),
+    "prefill-64x256-s4": attrs.evolve(PREFILL_TILE, stages=4),
     "prefill-64x512-d2s3": attrs.evolve(PREFILL_TILE, warps_n=8, slabs_per_warp=2, stages=3),
     "prefill-128x256-d2s3": attrs.evolve(PREFILL_TILE, block_m=128, warps_m=2, slabs_per_warp=2, stages=3),
 }

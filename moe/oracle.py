@@ -19,12 +19,14 @@ back to a heuristic:
 * prefill: blocks of 64 slots (32 up to 64 slots per expert), both operands staged in
   shared memory by a `cp.async` pipeline, warps of 64 rows x 64 features (every decoded
   weight fragment feeds four mma), four warps along N, 64 input features per stage in
-  two buffers, a K split only where the grid would not fill the card (`split_to_fill`).
+  three buffers, a K split only where the grid would not fill the card (`split_to_fill`).
   Since the main loop keeps two slabs' operands in registers (2026-11-24), 64-
   feature stages in two buffers beat 32-feature stages in four on the H200 at M = 1024
   and 4096 for w4a16 (Mixtral 8.64 against 9.14 ms for the two GEMMs at M = 4096): a
   barrier and a round of copies per 64 features instead of per 32, and 16-byte activation
-  copies free of bank conflicts (36-word rows). Weights whose layout cannot be staged
+  copies free of bank conflicts (36-word rows). Since the stage buffers are dynamic shared
+  memory (2026-11-25), three buffers beat two for both GEMMs and both formats at Qwen3
+  M = 4096 (gemm2, ms: w4a16 0.455 -> 0.439, NVFP4 0.453 -> 0.410). Weights whose layout cannot be staged
   (`gemm.prefill_supported`: act-order, scales not lane-contiguous) take decode tiles.
 
 A tile's `fused_reduction` (a decode GEMM finishes the activation or the combine in its
@@ -135,14 +137,14 @@ def _decode_backend(config: MoEConfig, num_tokens: int) -> Backend:
     return _filled_backend(tile, config, num_tokens)
 
 
-PREFILL_TILE = GemmTile(block_m=64, warps_m=1, warps_n=4, warps_k=1, slabs_per_warp=4, stages=2, a_in_shared=True)
+PREFILL_TILE = GemmTile(block_m=64, warps_m=1, warps_n=4, warps_k=1, slabs_per_warp=4, stages=3, a_in_shared=True)
 PREFILL_BLOCK_32_TOKENS_PER_EXPERT = 64
 
 
 def _prefill_backend(config: MoEConfig, num_tokens: int) -> Backend:
     """Blocks of 64 slots, one warp along the rows (four 16-row m tiles: every decoded
     weight fragment feeds four mma), four 64-feature warps along N, 64 input features per
-    stage, 2 stages; blocks of 32 slots up to 64 slots per expert (less padding where
+    stage, 3 stages; blocks of 32 slots up to 64 slots per expert (less padding where
     experts get a block and a bit), and a K split where the grid would not fill the card.
     Sweep on the H200 (2026-11-24, `benchmarks/sweep_tiles.py`, w4a16): 64-row blocks
     best for both GEMMs at Mixtral M = 1024, 4096 and Qwen3 M = 4096; at 64 slots per

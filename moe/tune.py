@@ -53,7 +53,8 @@ Measure = Callable[[Callable[[], None], GemmTile], float]
 
 
 PREFILL_SHAPES = [  # (block_m, warps_m, warps_n, slabs_per_warp, stages): the best of a wider H200 sweep
-    (32, 1, 4, 4, 2), (64, 1, 4, 4, 2), (64, 1, 4, 2, 4), (64, 1, 8, 2, 3), (128, 2, 4, 2, 3)]
+    (32, 1, 4, 4, 2), (64, 1, 4, 4, 2), (64, 1, 4, 2, 4), (64, 1, 4, 4, 3), (64, 1, 4, 4, 4), (64, 1, 8, 2, 3),
+    (128, 2, 4, 2, 3)]
 
 
 DECODE_FAMILIES = [  # (up to this many slots per expert, tile): each won some GEMMs on the H200 (BENCHMARKS.md)
@@ -94,7 +95,8 @@ def refine_candidates(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTi
     option flipped (steady_loop; fused_reduction when swapped) and with half and twice the
     warps along K (registers and waves change with it), any tile in the other CTA order
     (chunks_first), and a prefill tile with trim_padding flipped (gemm1's also with
-    fused_reduction flipped, where it can finish the activation): minutes instead of a
+    fused_reduction flipped, where it can finish the activation), with a stage more and
+    one fewer, and with half and twice the slabs per stage: minutes instead of a
     full tuning's tens of minutes, to re-check saved entries after a kernel or an option
     changes."""
     backend = select_backend(config, num_tokens, kernel_spec(config))
@@ -110,6 +112,11 @@ def refine_candidates(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTi
                 tiles.append(attrs.evolve(tile, fused_reduction=not tile.fused_reduction))
             if tile.trimmable:
                 tiles.append(attrs.evolve(tile, trim_padding=not tile.trim_padding))
+            if tile.a_in_shared:  # the pipeline: a stage more or fewer, stages of twice or half the slabs
+                tiles += [attrs.evolve(tile, stages=stages) for stages in (tile.stages - 1, tile.stages + 1)
+                          if stages >= 2]
+                tiles += [attrs.evolve(tile, slabs_per_warp=depth)
+                          for depth in (tile.slabs_per_warp // 2, tile.slabs_per_warp * 2) if depth >= 1]
     return tiles
 
 

@@ -73,6 +73,16 @@ from .ptx import device
 
 CHUNK_N = 64  # output features per warp chunk
 SLAB_K = 16  # stored input features per slab
+# The prefill copies address their sources by 32-bit element offsets (a 64-bit offset
+# costs each copy two more instructions in the main loop); NO_COPY marks a copy a thread
+# does not make. `copy_offsets_fit` says which arrays qualify.
+NO_COPY = np.uint32(0xFFFFFFFF)
+COPY_OFFSET_LIMIT = 0xFFFFFFFF  # elements: offsets stay below the sentinel
+
+
+def copy_offsets_fit(*arrays) -> bool:
+    """Whether every array is small enough for the prefill copies' 32-bit offsets."""
+    return all(array.numel() <= COPY_OFFSET_LIMIT for array in arrays)
 
 
 @attrs.frozen
@@ -171,10 +181,12 @@ class DeferredScales:
 
 
 @functools.cache
-def fragment_reader(spec: QuantSpec, n: int, k: int, half: str) -> FragmentReader:
-    """The fastest reader of `spec` (logical shape (n, k)) for `half` activations."""
+def fragment_reader(spec: QuantSpec, n: int, k: int, half: str, staged: bool = False) -> FragmentReader:
+    """The fastest reader of `spec` (logical shape (n, k)) for `half` activations;
+    `staged`: for a prefill tile, whose loop is bound by instruction issue rather than
+    by latency (e2m1 codes then decode in fewer instructions of longer latency)."""
     if fast_path_supported(spec, half):
-        return _marlin_tile_reader(spec, n, k, half, lane_scales(spec, n, k, half))
+        return _marlin_tile_reader(spec, n, k, half, lane_scales(spec, n, k, half), staged)
     return _index_map_reader(spec, n, k, half)
 
 
@@ -264,7 +276,8 @@ class TileGeometry:
         return cls(bits, slab_rows, slab_words, words_per_chunk, words_per_chunk // 32)
 
 
-def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneScales | None) -> FragmentReader:
+def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneScales | None,
+                        staged: bool) -> FragmentReader:
     geometry = TileGeometry.of(spec, n, k)
     bits, slab_rows, slab_words = geometry.bits, geometry.slab_rows, geometry.slab_words
     words_per_chunk, words_per_lane = geometry.words_per_chunk, geometry.words_per_lane
@@ -281,6 +294,13 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
     magic_value = float32(constants.int4_magic_value)
     fp4_shift, unbias_pair = constants.fp4_shift, uint32(constants.fp4_unbias_pair)
     fp4_magnitude = uint32(0x70007 << fp4_shift)  # e2m1 exponent and mantissa bits, moved into a half's
+    fp4_sign_magnitude = uint32(0x80008000) | fp4_magnitude
+    # bfloat16: one multiply puts two copies of a masked code in each half, at bits 12-15
+    # (the sign lands at 15) and at fp4_shift (the magnitude), apart enough that the sum
+    # has no carries: 3 instructions a register instead of 4 (float16's copies overlap).
+    # Prefill only: on the H200 it made the prefill GEMMs faster and the decode GEMMs,
+    # which wait on the multiply's latency, slower (BENCHMARKS.md, twenty-first session).
+    spread_by_multiply = staged and fp4_shift + 4 <= 12
     # 128 + q does not hold an 8-bit code exactly in bfloat16: those go through float32
     # (params then hold float32 bits of the scale and the zero point).
     float32_codes = bits == 8 and half == "bfloat16"
@@ -373,7 +393,14 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
         """The e2m1 codes of fragment register r of `column`, sign and magnitude bits moved
         into a half's sign, exponent and top mantissa bit: the values times 2**-126
         (bfloat16) or 2**-14 (float16)."""
-        top = uint32(raw[column // 2]) << uint32(12 - 4 * (2 * (column % 2) + r))  # the code in bits 12-15
+        nibble = 2 * (column % 2) + r  # the code's place in each 16-bit half of the word
+        if spread_by_multiply:
+            word = uint32(raw[column // 2]) >> uint32(8 * (nibble // 2))
+            place = 4 * (nibble % 2)
+            codes = word & uint32(0x000F000F << place)
+            copies = codes * uint32((1 << (12 - place)) + (1 << (fp4_shift - place)))
+            return copies & fp4_sign_magnitude
+        top = uint32(raw[column // 2]) << uint32(12 - 4 * nibble)  # the code in bits 12-15
         return and_or(top, uint32(0x80008000), (top >> uint32(12 - fp4_shift)) & fp4_magnitude)
 
     @device
@@ -456,7 +483,7 @@ class StagedWeights:
     chunks, then their zero-point words; `stage_words` uint32 words per stage buffer.
 
     plan(e, first_chunk, second_chunk, thread, sources): once per CTA, fill this
-        thread's `copies_per_thread` source offsets (int64, -1 for none) for the CTA's
+        thread's `copies_per_thread` source offsets (uint32, `NO_COPY` for none) for the CTA's
         chunks: its first `chunks // 2` from `first_chunk` on, the rest from
         `second_chunk` on (contiguous: first_chunk + chunks // 2; apart: gemm1's gate and
         up chunks, `gemm.paired_activation`);
@@ -510,32 +537,32 @@ def _stream_copies(stream: CopyStream, threads: int, n_chunks: int, chunks: int)
     def plan(e, first_chunk, second_chunk, thread, sources):
         for i in range(copies):
             unit = uint32(thread) + uint32(i * threads)  # unsigned: divisions by constants stay cheap
-            sources[first_copy + i] = int64(-1)
+            sources[first_copy + i] = NO_COPY
             if unit < uint32(units):
                 local = per_unit * (unit % uint32(per_row))  # element of the CTA's row
                 run = first_chunk if local < first_half else second_chunk - chunks // 2
                 element = run * per_chunk + local
                 if element < n_chunks * per_chunk:
-                    row = int64(e * rows_per_expert + unit // uint32(per_row))
-                    sources[first_copy + i] = row * row_length + element
+                    row = uint32(e * rows_per_expert + unit // uint32(per_row))
+                    sources[first_copy + i] = uint32(row * uint32(row_length) + uint32(element))
 
     def make_copy(checked: bool):
         """Copies of a stage; `checked`: zero-fill rows at or past `remaining` slabs."""
 
         @device
         def copy(weights, sources, first_slab, remaining, tiles, base, thread):
-            advance = int64(uint32(first_slab) // uint32(slabs_per_row)) * row_length
+            advance = uint32(first_slab) // uint32(slabs_per_row) * uint32(row_length)
             for i in range(copies):
                 unit = uint32(thread) + uint32(i * threads)
                 source = sources[first_copy + i]
-                if (i < whole and every_chunk) or source >= 0:
+                if (i < whole and every_chunk) or source != NO_COPY:
                     target = base + first_word + 4 * unit
                     if checked:
                         present = (unit // uint32(per_row)) * uint32(slabs_per_row) < remaining
-                        copy_async(tiles, target, weights[array], source + advance if present else int64(0),
-                                   16 if present else 0)
+                        copy_async(tiles, target, weights[array], advance if present else uint32(0),
+                                   source if present else uint32(0), 16 if present else 0)
                     else:
-                        copy_async(tiles, target, weights[array], source + advance, 16)
+                        copy_async(tiles, target, weights[array], advance, source, 16)
 
         return copy
 

@@ -69,11 +69,12 @@ from numba import cuda, float32, int16, int32, int64, uint32
 from layouts import QuantSpec
 
 from . import interop, ptx
-from .launch import launch_kernel
+from .launch import STATIC_SHARED_BYTES, launch_kernel
 from .elements import logical_k
 from .activation import Activation, _pointwise
 from .epilogue import FusedActivation, FusedCombine, check_fused, gate_up_halves, make_finisher
-from .fragments import CHUNK_N, HALF_CONSTANTS, SLAB_K, fragment_reader, staged_weights, staging_supported
+from .fragments import (CHUNK_N, HALF_CONSTANTS, NO_COPY, SLAB_K, copy_offsets_fit, fragment_reader, staged_weights,
+                        staging_supported)
 from .rows import ZERO
 from .weights import KernelWeights
 
@@ -192,7 +193,17 @@ def paired_activation(tile: GemmTile, activation: Activation, n: int) -> bool:
             and (n // 2) % (CHUNK_N * half_n) == 0 and exchange_fits)
 
 
-SHARED_MEMORY_BYTES = 48 * 1024  # static shared memory a kernel may declare
+STAGE_BUFFER_BYTES = 227 * 1024  # a prefill tile's stage buffers (dynamic): the most Hopper grants a CTA
+
+
+def stage_buffer_bytes(spec: QuantSpec, n: int, k: int, half: str, tile: GemmTile) -> int:
+    """Dynamic shared memory of a prefill tile's stage buffers (none for a decode tile):
+    `stages` buffers of block_m activation rows and a stage of weights, scales and zero
+    points each. Dynamic, so that deep pipelines may exceed the 48 KB of static arrays."""
+    if not tile.a_in_shared:
+        return 0
+    staged = staged_weights(spec, n, k, half, tile.warps_n, tile.stage_slabs, tile.threads)
+    return 4 * tile.stages * (tile.block_m * tile.row_words + staged.stage_words)
 MAX_GRID_YZ = 65535  # CTAs a grid may have along y and along z
 
 
@@ -214,7 +225,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     one started (the layer's gemm2: aligned before gemm1). Launched early, a decode tile
     then reads it and issues its first weight loads before waiting for that kernel, so they
     overlap its tail; only the activations wait."""
-    reader = fragment_reader(spec, n, k, half)
+    reader = fragment_reader(spec, n, k, half, tile.a_in_shared)
     group_of_slab, column_params, fetch, decode = reader.group_of_slab, reader.column_params, reader.fetch, reader.decode
     output_scale, load_word = reader.output_scale, ptx.load_words[1]
     mma, to_half, pack2 = ptx.mma(half), ptx.to_half(half), ptx.pack2(half)
@@ -269,11 +280,14 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     stage_words, w_copies = (staged.stage_words, staged.copies_per_thread) if staged else (1, 1)
     plan_weights, copy_weights, copy_weights_partial, fetch_weights = (
         (staged.plan, staged.copy, staged.copy_partial, staged.fetch) if staged else (None,) * 4)
-    shared_bytes = 4 * (block_m + reduce_warps * teams * reduce_values
-                        + (stages * (block_m * row_words + stage_words) if a_in_shared else 0))
-    if shared_bytes > SHARED_MEMORY_BYTES:
-        raise ValueError(f"{tile} needs {shared_bytes} bytes of shared memory for {spec.name}, more than "
-                         f"{SHARED_MEMORY_BYTES}: use fewer stages, slabs or rows")
+    static_bytes = 4 * (block_m + reduce_warps * teams * reduce_values)
+    if static_bytes > STATIC_SHARED_BYTES:
+        raise ValueError(f"{tile} needs {static_bytes} bytes of static shared memory, more than "
+                         f"{STATIC_SHARED_BYTES}: use fewer warps along K or rows")
+    if a_in_shared and static_bytes + stage_buffer_bytes(spec, n, k, half, tile) > STAGE_BUFFER_BYTES:
+        raise ValueError(f"{tile} needs {stage_buffer_bytes(spec, n, k, half, tile)} bytes of shared memory for the "
+                         f"stage buffers of {spec.name}, more than {STAGE_BUFFER_BYTES - static_bytes}: use fewer "
+                         f"stages, slabs or rows")
     wait_copies, wait_first_stage = ptx.wait_copies[max(stages - 2, 0)], ptx.wait_copies[stages - 1]
     # A prefill tile finishes gemm1's activation in its epilogue (`paired_activation`);
     # a decode tile finishes either reduction from float32 partials (`epilogue`).
@@ -441,16 +455,16 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     @ptx.device
     def plan_activation_copies(slots, num_slots, rows_div, thread, a_source, a_target, a_slab):
         """Once per CTA: where this thread's 16-byte activation copies come from (flat pair
-        offset at stage 0, -1 for none), go to (word in a stage buffer) and which slab of
+        offset at stage 0, NO_COPY for none), go to (word in a stage buffer) and which slab of
         the stage they belong to; the same for every stage, shifted by the stage's K."""
         for i in range(a_copies):
             unit = uint32(thread) + uint32(i * threads)
-            a_source[i], a_target[i], a_slab[i] = int64(-1), 0, 0
+            a_source[i], a_target[i], a_slab[i] = NO_COPY, 0, 0
             if unit < uint32(a_units):
                 m, c = unit // uint32(a_units_per_row), unit % uint32(a_units_per_row)
                 slot = slots[m]
                 row = slot // rows_div if slot < num_slots else 0  # padding rows read row 0
-                a_source[i] = int64(row) * pairs_per_row + 4 * c
+                a_source[i] = uint32(row) * uint32(pairs_per_row) + 4 * c
                 a_target[i] = m * uint32(row_words) + 4 * c
                 a_slab[i] = c // uint32(2)
 
@@ -461,14 +475,14 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         @ptx.device
         def copy_activations(act, stage, remaining, a_source, a_target, a_slab, a_tiles, base):
             for i in range(a_copies):
-                if i < a_units // threads or a_source[i] >= 0:
-                    source = a_source[i] + stage * (SLAB_K // 2)
+                if i < a_units // threads or a_source[i] != NO_COPY:
+                    advance = stage * uint32(SLAB_K // 2)
                     if checked:
                         present = a_slab[i] < remaining
-                        copy_async(a_tiles, base + a_target[i], act, source if present else int64(0),
-                                   16 if present else 0)
+                        copy_async(a_tiles, base + a_target[i], act, advance if present else uint32(0),
+                                   a_source[i] if present else uint32(0), 16 if present else 0)
                     else:
-                        copy_async(a_tiles, base + a_target[i], act, source, 16)
+                        copy_async(a_tiles, base + a_target[i], act, advance, a_source[i], 16)
 
         return copy_activations
 
@@ -692,8 +706,9 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         chunk = gate_chunk + up_chunks * int32(is_up) if paired else column * warps_n + wn
         split = cuda.blockIdx.z
         if a_in_shared:
-            a_tiles = cuda.shared.array(a_stage_words, uint32)  # stages x block_m x row_words, by flat offsets
-            w_tiles = cuda.shared.array((stages, stage_words), uint32)
+            stage_buffers = cuda.shared.array(0, uint32)  # dynamic (stage_buffer_bytes), 16-byte aligned
+            a_tiles = stage_buffers[:a_stage_words]  # stages x block_m x row_words, by flat offsets
+            w_tiles = stage_buffers[a_stage_words:]  # stages x stage_words
 
         acc = cuda.local.array((acc_i, acc_j, 4), float32)
         for i in range(acc_i):
@@ -707,11 +722,11 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
             params = cuda.local.array(16, uint32)
             if a_in_shared:
                 raw = cuda.local.array(raw_words, uint32)
-                a_source = cuda.local.array(a_copies, int64)
+                a_source = cuda.local.array(a_copies, uint32)
                 a_target = cuda.local.array(a_copies, uint32)
                 a_slab = cuda.local.array(a_copies, uint32)
                 plan_activation_copies(slots, num_slots, rows_div, tid, a_source, a_target, a_slab)
-                w_source = cuda.local.array(w_copies, int64)
+                w_source = cuda.local.array(w_copies, uint32)
                 if paired:
                     plan_weights(expert, column * half_n, up_chunks + column * half_n, tid, w_source)
                 else:
@@ -939,6 +954,9 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
                              f"through shared memory (see fragments.staging_supported): use a decode tile")
         if act.data_ptr() % 16:
             raise ValueError("act must start 16-byte aligned for a prefill tile (a_in_shared)")
+        if not copy_offsets_fit(act.view(torch.int32) if pairs else act, *weights.tensors):
+            raise ValueError("act and the weights must each hold fewer than 2**32 elements for a prefill tile "
+                             "(a_in_shared: its copies use 32-bit offsets): use a decode tile or split the batch")
     if then is None:
         reduced, arrivals = interop.stand_in(0, act.dtype, act.device), interop.stand_in(0, torch.int32, act.device)
     else:
@@ -965,7 +983,7 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
         activation_array(act, pairs), weights.arrays(), interop.to_kernel(sorted_token_ids), interop.to_kernel(expert_ids),
         interop.to_kernel(num_tokens_post_padded), interop.to_kernel(weights_flat), interop.to_kernel(out_words),
         interop.to_kernel(reduced), interop.to_kernel(arrivals), np.int32(num_slots), np.int32(num_slots // act.shape[0]),
-        waits=True)
+        waits=True, shared_bytes=stage_buffer_bytes(weights.spec, n, k, half, tile))
     return then.out if out is None else out
 
 

@@ -29,7 +29,9 @@ This module is the only one that reaches below numba-cuda's public kernel API: i
 the compiled kernel from the documented `pre_launch_callbacks` hook, and packs the
 parameters with that kernel's own `_prepare_args` (numba-cuda 0.30), so the buffer
 holds exactly what an ordinary launch passes; `Launcher` checks each array's fields
-against the array before trusting the layout. Under the CUDA simulator a `Launcher`
+against the array before trusting the layout. A kernel that asks for more dynamic shared
+memory than the 48 KB CUDA grants unasked (the prefill GEMM's stage buffers) is opted in
+through the same hook (`allow_shared_memory`, `cuKernelSetAttribute`). Under the CUDA simulator a `Launcher`
 calls the kernel the ordinary way with its (re-bound) arguments.
 """
 
@@ -49,6 +51,7 @@ from . import interop
 from .ptx import SIMULATED, hopper
 
 EARLY_LAUNCH = os.environ.get("NUMBA_MOE_EARLY_LAUNCH", "1") != "0"
+STATIC_SHARED_BYTES = 48 * 1024  # shared memory a CTA may use without the kernel opting in
 
 
 @attrs.frozen(eq=False)
@@ -56,7 +59,8 @@ class KernelCall:
     """One launch as a wrapper configured it: kernel, grid, block and kernel arguments
     (kernel arrays from `interop.to_kernel`, tuples of them, numpy or Python scalars).
     `compiled` is numba's compiled kernel for these arguments (None when simulated);
-    `waits`: the kernel waits for the previous one itself (`ptx.wait_for_previous`)."""
+    `waits`: the kernel waits for the previous one itself (`ptx.wait_for_previous`);
+    `shared_bytes`: its dynamic shared memory."""
 
     kernel: object
     grid: tuple
@@ -64,6 +68,7 @@ class KernelCall:
     args: tuple
     compiled: object = None
     waits: bool = False
+    shared_bytes: int = 0
 
 
 class _Recorder(threading.local):
@@ -89,21 +94,49 @@ def _dim3(value) -> tuple:
     return tuple(int(d) for d in dims) + (1,) * (3 - len(dims))
 
 
-def launch_kernel(kernel, grid, block, *args, waits: bool = False) -> None:
-    """`kernel[grid, block, torch's stream](*args)`, recorded inside `recording()`.
-    `waits`: the kernel calls `ptx.wait_for_previous` before it reads or writes anything
-    an earlier kernel touches, so a replay may launch it early (module docstring)."""
-    configured = kernel[grid, block, interop.launch_stream()]
+def launch_kernel(kernel, grid, block, *args, waits: bool = False, shared_bytes: int = 0) -> None:
+    """`kernel[grid, block, torch's stream, shared_bytes](*args)`, recorded inside
+    `recording()`. `waits`: the kernel calls `ptx.wait_for_previous` before it reads or
+    writes anything an earlier kernel touches, so a replay may launch it early (module
+    docstring). `shared_bytes`: dynamic shared memory (`cuda.shared.array(0, ...)`); above
+    48 KB the kernel is opted in to it first."""
+    configured = kernel[grid, block, interop.launch_stream(), shared_bytes]
     calls = _RECORDER.calls
+    callbacks = None if SIMULATED else getattr(configured, "pre_launch_callbacks", None)
+    if shared_bytes > STATIC_SHARED_BYTES and not SIMULATED:
+        if callbacks is None:
+            raise RuntimeError("this numba-cuda has no pre_launch_callbacks: kernels cannot opt in to more than "
+                               f"{STATIC_SHARED_BYTES} bytes of shared memory")
+        callbacks.append(lambda kernel_, _config: allow_shared_memory(kernel_, shared_bytes))
     if calls is None:
         configured(*args)
         return
     compiled = []
-    callbacks = None if SIMULATED else getattr(configured, "pre_launch_callbacks", None)
     if callbacks is not None:  # numba hands them the compiled kernel right before launching
         callbacks.append(lambda kernel_, _config: compiled.append(kernel_))
     configured(*args)
-    calls.append(KernelCall(kernel, _dim3(grid), _dim3(block), args, compiled[0] if compiled else None, waits))
+    calls.append(KernelCall(kernel, _dim3(grid), _dim3(block), args, compiled[0] if compiled else None, waits,
+                            shared_bytes))
+
+
+def allow_shared_memory(compiled, shared_bytes: int) -> None:
+    """Opt numba's compiled kernel in to `shared_bytes` of dynamic shared memory per CTA
+    (CUDA grants 48 KB unasked; Hopper up to 227 KB)."""
+    function = compiled._codelibrary.get_cufunc()
+    _allow_shared_memory(int(function.handle), function.device.id, function.name, shared_bytes)
+
+
+@functools.lru_cache(maxsize=256)
+def _allow_shared_memory(handle: int, device: int, name: str, shared_bytes: int) -> None:
+    from cuda.bindings import driver
+
+    attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    (error,) = driver.cuKernelSetAttribute(attribute, shared_bytes, driver.CUkernel(handle), device)
+    if error != driver.CUresult.CUDA_SUCCESS:
+        (_, most) = driver.cuDeviceGetAttribute(
+            driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, device)
+        raise ValueError(f"{name} needs {shared_bytes} bytes of shared memory per CTA; this GPU allows {most} "
+                         f"({error}): use a tile with fewer stages, slabs or rows")
 
 
 def data_pointer(array) -> int:
@@ -149,6 +182,7 @@ class Launcher:
 
     def __init__(self, call: KernelCall):
         self.kernel, self.grid, self.block = call.kernel, call.grid, call.block
+        self.shared_bytes = call.shared_bytes
         if SIMULATED:
             self.args = list(call.args)
             return
@@ -174,7 +208,8 @@ class Launcher:
                 self._check_array_fields(index, value)
         self._params = (ctypes.c_void_p * len(self._fields))(*[ctypes.addressof(f) for f in self._fields])
         self._params_address = ctypes.addressof(self._params)
-        self._early = _early_launch_config(self.grid, self.block) if call.waits and EARLY_LAUNCH and hopper() else None
+        self._early = (_early_launch_config(self.grid, self.block, self.shared_bytes)
+                       if call.waits and EARLY_LAUNCH and hopper() else None)
 
     def _check_array_fields(self, index: int, array) -> None:
         start = self._starts[index]
@@ -196,10 +231,10 @@ class Launcher:
     def launch(self, stream_handle: int) -> None:
         """Launch on the CUDA stream `stream_handle` (`interop.launch_stream_handle()`)."""
         if SIMULATED:
-            self.kernel[self.grid, self.block](*self.args)
+            self.kernel[self.grid, self.block, 0, self.shared_bytes](*self.args)
             return
         if self._early is None:
-            (error,) = self._driver.cuLaunchKernel(self._function, *self.grid, *self.block, 0,
+            (error,) = self._driver.cuLaunchKernel(self._function, *self.grid, *self.block, self.shared_bytes,
                                                    _driver_stream(stream_handle), self._params_address, 0)
         else:
             self._early.hStream = _driver_stream(stream_handle)
@@ -214,7 +249,7 @@ class Launcher:
         return not SIMULATED and self._early is not None
 
 
-def _early_launch_config(grid: tuple, block: tuple):
+def _early_launch_config(grid: tuple, block: tuple, shared_bytes: int):
     """A `cuLaunchKernelEx` configuration with programmatic stream serialisation allowed
     (the stream is set per launch)."""
     from cuda.bindings import driver
@@ -225,6 +260,6 @@ def _early_launch_config(grid: tuple, block: tuple):
     config = driver.CUlaunchConfig()
     config.gridDimX, config.gridDimY, config.gridDimZ = grid
     config.blockDimX, config.blockDimY, config.blockDimZ = block
-    config.sharedMemBytes = 0
+    config.sharedMemBytes = shared_bytes
     config.attrs, config.numAttrs = [attribute], 1
     return config

@@ -22,7 +22,7 @@ helper                   PTX                                 used for
 ``load_shared[n](s, i)`` ld.shared{,.v2,.v4}.u32             n words of a shared array
 ``load_coherent(a, i)``  ld.global.cg.u32                    a word other CTAs wrote
 ``copy_async(s, i, a,    cp.async.cg.shared.global 16        prefill: global -> shared
-j, bytes)``                                                  without registers
+base, j, bytes)``                                            without registers
 ``commit_copies()``      cp.async.commit_group               close a pipeline stage
 ``wait_copies[n]()``     cp.async.wait_group n               all but the newest n stages
 ``ldmatrix4(s, i)``      ldmatrix.sync.m8n8.x4.shared.b16    A fragments from shared
@@ -369,12 +369,13 @@ def _twin_async_copies():
             _pending.open, _pending.groups = [], []
         return _pending
 
-    def copy_async(shared, shared_offset, source, source_offset, source_bytes):
+    def copy_async(shared, shared_offset, source, source_base, source_offset, source_bytes):
         chunk = np.zeros(16, np.uint8)
         if source_bytes:
             flat = source.reshape(-1)
             count = 16 // flat.dtype.itemsize
-            chunk[:] = np.ascontiguousarray(flat[source_offset:source_offset + count]).view(np.uint8)
+            first = int(source_base) + int(source_offset)
+            chunk[:] = np.ascontiguousarray(flat[first:first + count]).view(np.uint8)
         queue().open.append((shared, int(shared_offset), chunk.view(np.uint32)))
 
     def commit_copies():
@@ -534,20 +535,27 @@ def _gpu_async_copies():
     from numba.cuda.extending import intrinsic
 
     @intrinsic
-    def copy_async(typingctx, shared, shared_offset, source, source_offset, source_bytes):
+    def copy_async(typingctx, shared, shared_offset, source, source_base, source_offset, source_bytes):
         _check_flat(shared, shared_offset)
-        _check_flat(source, source_offset, source_bytes)
+        _check_flat(source, source_base, source_offset, source_bytes)
 
         def codegen(context, builder, sig, args):
             target = _shared_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-            origin = _element_pointer(context, builder, sig.args[2], args[2], sig.args[3], args[3])
-            size = context.cast(builder, args[4], sig.args[4], types.uint32)
+            # Two steps: the pointer to `source_base` is one value that every copy from the
+            # same base shares (computed once), each copy then adds its own offset. The move
+            # hides the pointer from LLVM, which would otherwise fold the two offsets into one
+            # 64-bit sum per copy.
+            base = _element_pointer(context, builder, sig.args[2], args[2], sig.args[3], args[3])
+            base = builder.call(ir.InlineAsm(ir.FunctionType(base.type, [base.type]), "mov.b64 $0, $1;", "=l,l"),
+                                [base])
+            origin = builder.gep(base, [context.cast(builder, args[4], sig.args[4], types.int64)])
+            size = context.cast(builder, args[5], sig.args[5], types.uint32)
             emit = _statement("cp.async.cg.shared.global [$0], [$1], 16, $2;", (target.type, origin.type, ir.IntType(32)),
                              "l,l,r")
             emit(builder, (target, origin, size))
             return context.get_dummy_value()
 
-        return types.void(shared, shared_offset, source, source_offset, source_bytes), codegen
+        return types.void(shared, shared_offset, source, source_base, source_offset, source_bytes), codegen
 
     @intrinsic
     def commit_copies(typingctx):
@@ -619,8 +627,11 @@ load_shared = {n: _twin_load_words(n) if SIMULATED else _gpu_word_load(n, "share
 # cached in L2 only: words another CTA of the same launch wrote (after a threadfence) are
 # read as written, never from a stale L1 line (`epilogue`).
 load_coherent = _twin_load_bits if SIMULATED else _gpu_read("ld.global.cg.u32 $0, [$1];", 1, _element_pointer)
-# copy_async(shared, i, source, j, source_bytes): 16 bytes from flat element j of a global
-# array to shared word i (both 16-byte aligned); bytes past source_bytes (0 or 16) are zero.
+# copy_async(shared, i, source, base, j, source_bytes): 16 bytes from flat element base + j
+# of a global array to shared word i (both 16-byte aligned); bytes past source_bytes (0 or
+# 16) are zero. `base` is what a stage's copies share (its offset along K): the pointer to
+# it is derived once, and each copy adds its own `j`, so 32-bit offsets cost one address
+# computation per copy.
 # commit_copies() closes a group; wait_copies[n]() waits for all groups but the newest n.
 copy_async, commit_copies, wait_copies = _twin_async_copies() if SIMULATED else _gpu_async_copies()
 # ldmatrix4(shared, i): the warp's four 8x8 half matrices, lane l naming a row at word i.

@@ -12,7 +12,7 @@ from layouts import Quantized, formats
 from layouts.strategies import random_quantized, spec_for
 from numba_kernels import interop
 from numba_kernels.align import moe_align_block_size
-from numba_kernels.fragments import fast_path_supported, fragment_reader, lane_scales
+from numba_kernels.fragments import COPY_OFFSET_LIMIT, copy_offsets_fit, fast_path_supported, fragment_reader, lane_scales
 from numba_kernels.gemm import GemmTile, grouped_gemm, prefill_supported, reference_grouped_gemm
 from numba_kernels.weights import KernelWeights
 
@@ -237,12 +237,16 @@ def test_steady_loop_without_range_checks_gives_the_same_products(spec, tile):
     assert_close(*run_case(spec, (2, 80, 192), tokens=3, top_k=2, tile=tile, half=half))
 
 
+@pytest.mark.parametrize("tile", [GemmTile(block_m=8, warps_k=1, slabs_per_warp=2, swap_ab=True),
+                                  GemmTile(block_m=16, warps_k=1, slabs_per_warp=2, stages=2, a_in_shared=True)],
+                         ids=["decode", "prefill"])
 @pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
-def test_nvfp4_fragments_are_exact_for_every_code_and_the_extreme_block_scales(half):
+def test_nvfp4_fragments_are_exact_for_every_code_and_the_extreme_block_scales(half, tile):
     """Every e2m1 code times e4m3 block scales from the smallest subnormal (2**-9) to the
     largest (448), negative and zero ones too (folded into the codes), decoded as code *
     scale * 2**-7 and rescaled in the epilogue: one-hot activations read each weight back,
-    exactly (each fits the half type)."""
+    exactly (each fits the half type). Decode and prefill tiles decode e2m1 differently
+    (`fragments.fragment_reader`)."""
     spec, n, k = formats.native(fp4=True), 64, 32
     codes = (np.arange(n * k).reshape(1, n, k) * 7) % 16
     e4m3 = np.array([2.0 ** -9, -7 * 2.0 ** -9, 2.0 ** -6, 0.0, 0.5, -1.0, 1.875, 240.0, -448.0, 448.0])
@@ -251,11 +255,11 @@ def test_nvfp4_fragments_are_exact_for_every_code_and_the_extreme_block_scales(h
     physical = spec.pack(quantized)
     weights = KernelWeights.from_physical(spec, physical, (1, n, k))
     dense = spec.dequantize(physical, (1, n, k))[0]
-    sorted_ids, expert_ids, padded = reference_alignment(np.zeros((k, 1), np.int32), 8, 1)
+    sorted_ids, expert_ids, padded = reference_alignment(np.zeros((k, 1), np.int32), tile.block_m, 1)
     device = interop.kernel_device()
     out = grouped_gemm(torch.eye(k, dtype=half).to(device), weights,
                        *(torch.from_numpy(a).to(device) for a in (sorted_ids, expert_ids, padded)), num_slots=k,
-                       tile=GemmTile(block_m=8, warps_k=1, slabs_per_warp=2, swap_ab=True))
+                       tile=tile)
     np.testing.assert_array_equal(out.float().cpu().numpy(), dense.T)
 
 
@@ -307,6 +311,12 @@ def _small_problem(half=torch.bfloat16):
     sorted_ids, expert_ids, padded = reference_alignment(np.array([[0], [1]], np.int32), 16, 2)
     alignment = tuple(torch.from_numpy(a).to(device) for a in (sorted_ids, expert_ids, padded))
     return torch.zeros(2, 64, dtype=half, device=device), weights, alignment
+
+
+def test_prefill_copies_take_only_arrays_their_32_bit_offsets_reach():
+    small, huge = torch.empty(4), torch.empty(1).expand(COPY_OFFSET_LIMIT + 1)  # no memory behind it
+    assert copy_offsets_fit(small, torch.empty(1).expand(COPY_OFFSET_LIMIT))
+    assert not copy_offsets_fit(small, huge)
 
 
 @pytest.mark.parametrize("change, error, message", [

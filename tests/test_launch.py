@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from numba import cuda
+from numba import cuda, float32
 
 from numba_kernels import interop, launch, ptx
 from numba_kernels.launch import Launcher, launch_kernel, recording
@@ -19,6 +19,17 @@ def _scaled_gather(values, pairs, index, scale, out):
     if i < out.shape[0]:
         first, second = pairs
         out[i] = values[index[i]] * scale + first[i] + second[0, i]
+
+
+@ptx.kernel
+def _reverse_through_shared(values, out):
+    buffer = cuda.shared.array(0, float32)  # dynamic: as many bytes as the launch grants
+    n = values.shape[0]
+    for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+        buffer[i] = values[i]
+    cuda.syncthreads()
+    for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+        out[i] = buffer[n - 1 - i]
 
 
 def _inputs(n, seed):
@@ -142,3 +153,17 @@ def test_an_early_launched_kernel_waits_for_the_kernel_before_it(in_graph):
             graph.replay()
         torch.cuda.synchronize()
         assert torch.all(result == value + 1.0), f"read {result.unique().tolist()}"
+
+
+def test_a_kernel_gets_more_than_48_kb_of_dynamic_shared_memory_launched_or_replayed():
+    """Above the 48 KB CUDA grants unasked, the kernel is opted in before its first launch."""
+    n = 16 * 1024  # 64 KB of float32
+    values = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(interop.kernel_device())
+    out = torch.full_like(values, float("nan"))
+    to = interop.to_kernel
+    with recording() as calls:
+        launch_kernel(_reverse_through_shared, 1, 128, to(values), to(out), shared_bytes=4 * n)
+    torch.testing.assert_close(out, values.flip(0))
+    out.fill_(float("nan"))
+    Launcher(calls[0]).launch(interop.launch_stream_handle())
+    torch.testing.assert_close(out, values.flip(0))

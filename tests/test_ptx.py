@@ -220,9 +220,9 @@ def test_async_copies_land_only_when_their_group_is_waited_for():
                 tile[r, i, w] = uint32(0xFFFFFFFF)
         cuda.syncthreads()
         for r in range(3):
-            ptx.copy_async(tile, (r * 32 + i) * 4, source, (r * 32 + i) * 4, 16)
+            ptx.copy_async(tile, (r * 32 + i) * 4, source, r * 128, i * 4, 16)
             ptx.commit_copies()
-        ptx.copy_async(tile, (3 * 32 + i) * 4, source, 0, 0)
+        ptx.copy_async(tile, (3 * 32 + i) * 4, source, 0, 0, 0)
         ptx.commit_copies()
         wait_all_but_two()
         for r in range(4):

@@ -93,8 +93,13 @@ def test_refine_times_the_current_choice_and_its_flipped_options():
     assert {t.chunks_first for t in tiles} == {False, True}
     assert {t.warps_k for t in tiles} == {current.warps_k // 2, current.warps_k, current.warps_k * 2}
     prefill = refine_candidates(4096, mixtral, mixtral.intermediate_size)
-    assert len(prefill) == 3 and all(t.a_in_shared for t in prefill) and prefill[0].trimmable
-    assert prefill[1:] == [attrs.evolve(prefill[0], chunks_first=not prefill[0].chunks_first),
-                           attrs.evolve(prefill[0], trim_padding=not prefill[0].trim_padding)]
+    first = prefill[0]
+    assert all(t.a_in_shared for t in prefill) and first.trimmable and len(set(prefill)) == len(prefill)
+    assert prefill[1:3] == [attrs.evolve(first, chunks_first=not first.chunks_first),
+                            attrs.evolve(first, trim_padding=not first.trim_padding)]
+    # and the pipeline a stage deeper or shallower (never below two), stages of twice or half the slabs
+    depth, stages = first.slabs_per_warp, first.stages
+    assert {(t.slabs_per_warp, t.stages) for t in prefill[3:]} == (
+        {(depth, stages + 1), (depth // 2, stages), (depth * 2, stages)} | ({(depth, stages - 1)} if stages > 2 else set()))
     gemm1 = refine_candidates(4096, mixtral, mixtral.hidden_size)  # also with the activation flipped
     assert gemm1[2] == attrs.evolve(gemm1[0], fused_reduction=not gemm1[0].fused_reduction)
