@@ -194,6 +194,7 @@ def paired_activation(tile: GemmTile, activation: Activation, n: int) -> bool:
 
 
 STAGE_BUFFER_BYTES = 227 * 1024  # a prefill tile's stage buffers (dynamic): the most Hopper grants a CTA
+MAX_GRID_YZ = 65535  # CTAs a grid may have along y and along z
 
 
 def stage_buffer_bytes(spec: QuantSpec, n: int, k: int, half: str, tile: GemmTile) -> int:
@@ -204,7 +205,6 @@ def stage_buffer_bytes(spec: QuantSpec, n: int, k: int, half: str, tile: GemmTil
         return 0
     staged = staged_weights(spec, n, k, half, tile.warps_n, tile.stage_slabs, tile.threads)
     return 4 * tile.stages * (tile.block_m * tile.row_words + staged.stage_words)
-MAX_GRID_YZ = 65535  # CTAs a grid may have along y and along z
 
 
 @functools.cache
