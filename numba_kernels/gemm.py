@@ -284,10 +284,10 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     if static_bytes > STATIC_SHARED_BYTES:
         raise ValueError(f"{tile} needs {static_bytes} bytes of static shared memory, more than "
                          f"{STATIC_SHARED_BYTES}: use fewer warps along K or rows")
-    if a_in_shared and static_bytes + stage_buffer_bytes(spec, n, k, half, tile) > STAGE_BUFFER_BYTES:
-        raise ValueError(f"{tile} needs {stage_buffer_bytes(spec, n, k, half, tile)} bytes of shared memory for the "
-                         f"stage buffers of {spec.name}, more than {STAGE_BUFFER_BYTES - static_bytes}: use fewer "
-                         f"stages, slabs or rows")
+    buffer_bytes = stage_buffer_bytes(spec, n, k, half, tile)
+    if static_bytes + buffer_bytes > STAGE_BUFFER_BYTES:
+        raise ValueError(f"{tile} needs {buffer_bytes} bytes of shared memory for the stage buffers of {spec.name}, "
+                         f"more than {STAGE_BUFFER_BYTES - static_bytes}: use fewer stages, slabs or rows")
     wait_copies, wait_first_stage = ptx.wait_copies[max(stages - 2, 0)], ptx.wait_copies[stages - 1]
     # A prefill tile finishes gemm1's activation in its epilogue (`paired_activation`);
     # a decode tile finishes either reduction from float32 partials (`epilogue`).
@@ -474,9 +474,9 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
 
         @ptx.device
         def copy_activations(act, stage, remaining, a_source, a_target, a_slab, a_tiles, base):
+            advance = stage * uint32(SLAB_K // 2)  # the stage's first pair along K
             for i in range(a_copies):
                 if i < a_units // threads or a_source[i] != NO_COPY:
-                    advance = stage * uint32(SLAB_K // 2)
                     if checked:
                         present = a_slab[i] < remaining
                         copy_async(a_tiles, base + a_target[i], act, advance if present else uint32(0),
