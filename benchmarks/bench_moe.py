@@ -9,7 +9,9 @@ with the L2 cache flushed before every run, the median of many runs of:
             NUMBA_MOE_EARLY_LAUNCH=0, its first weight loads issued before it waits for
             gemm1), from a CUDA graph: a tile with `fused_reduction` also finishes the
             reduction after it (activation, combine); at M <= 16 also gemm_plain_ms, the
-            two GEMMs writing partials only (the earlier runs' gemm_ms);
+            two GEMMs writing partials only (the earlier runs' gemm_ms), and read_ms, two
+            plain read kernels of the bytes the two GEMMs read (`reads.py`: what merely
+            streaming those bytes costs in two short kernels, launch and ramp included);
 * layer_ms: the whole layer (routing to combine), replayed from a CUDA graph;
 * torch_ms: the torch reference, dequantised bf16 experts multiplied in a loop over experts;
 * grouped_mm_ms: torch._grouped_mm on bf16 experts (CUTLASS tensor cores), for comparison;
@@ -43,6 +45,7 @@ from moe.runner import fused_activation, fused_combine
 from numba_kernels import interop
 from numba_kernels.gemm import grouped_gemm
 from numba_kernels.launch import EARLY_LAUNCH, Launcher, recording
+from reads import PlainReads
 
 SHAPES = {"qwen3": dict(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768),
           "mixtral": dict(num_experts=8, top_k=2, hidden_size=4096, intermediate_size=14336),
@@ -175,9 +178,10 @@ def replayed(fn):
     return replay
 
 
-def weight_bytes(layer: MoELayer, touched: int) -> int:
-    per_expert = (layer.weights.w13.nbytes() + layer.weights.w2.nbytes()) / layer.config.num_local_experts
-    return int(per_expert * touched)
+def gemm_bytes(layer: MoELayer, touched: int) -> tuple[int, int]:
+    """Bytes of the touched experts' weights and scales that gemm1 and gemm2 read."""
+    experts = layer.config.num_local_experts
+    return tuple(int(stored.nbytes() / experts * touched) for stored in (layer.weights.w13, layer.weights.w2))
 
 
 def bench_row(timer, layer, reference, tokens, generator, bandwidth, rate) -> dict:
@@ -203,7 +207,7 @@ def bench_row(timer, layer, reference, tokens, generator, bandwidth, rate) -> di
 
     touched = int(torch.unique(topk_ids).numel())
     flops = 2 * slots * (config.gate_up_size * config.hidden_size + config.hidden_size * config.intermediate_size)
-    floor_ms = max(weight_bytes(layer, touched) / bandwidth, flops / rate) * 1e3
+    floor_ms = max(sum(gemm_bytes(layer, touched)) / bandwidth, flops / rate) * 1e3
     reference.prepare(hidden, topk_ids)
     torch_ms = timer(reference.loop, repeats=10)
     try:
@@ -216,6 +220,9 @@ def bench_row(timer, layer, reference, tokens, generator, bandwidth, rate) -> di
                grouped_mm_ms=grouped_mm_ms, backend=repr(backend))
     if tokens <= 16:
         row["gemm_plain_ms"] = timer(captured(replayed(lambda: gemms(fused=False))))
+        reads = PlainReads(gemm_bytes(layer, touched))
+        row["read_ms"] = timer(captured(replayed(reads)))
+        del reads
         row["kernel_us"] = kernel_times(layer, hidden, logits, timer)
     if tokens == 1:
         row.update(eager_host(layer, hidden, logits))
@@ -303,7 +310,8 @@ def main(argv=None) -> None:
                       + (f"  eager {row['eager_layer_ms']:.3f} ms ({row['host_us_per_launch']:.0f} us/launch, "
                          f"{row['eager_over_layer']:.2f}x the graph; ordinary launches {row['eager_ordinary_ms']:.3f} ms)"
                          if tokens == 1 else "")
-                      + (f"\n    GEMMs writing partials only {row['gemm_plain_ms']:.4f} ms; per kernel (us): "
+                      + (f"\n    GEMMs writing partials only {row['gemm_plain_ms']:.4f} ms; plain reads of their bytes "
+                         f"{row['read_ms']:.4f} ms (GEMMs {row['gemm_ms'] / row['read_ms']:.2f}x); per kernel (us): "
                          f"{row['kernel_us']}" if "kernel_us" in row else ""), flush=True)
                 with open(args.json, "w") as f:  # after every row: a timed-out run keeps its rows
                     json.dump(dict(header, rows=rows), f, indent=1)
