@@ -50,12 +50,11 @@ class PlainReads:
 
     def __init__(self, byte_counts):
         self.blocks = [_blocks(int(n)) for n in byte_counts]
-        words = sum(b * BLOCK * UNROLL * LOAD_BYTES // 4 for b in self.blocks)
-        self.words = torch.zeros(words, dtype=torch.int32, device="cuda")
+        sizes = [blocks * BLOCK * UNROLL * LOAD_BYTES // 4 for blocks in self.blocks]  # words each kernel reads
+        self.firsts = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.words = torch.zeros(sum(sizes), dtype=torch.int32, device="cuda")
         self.sink = torch.zeros(1, dtype=torch.int32, device="cuda")
 
     def __call__(self) -> None:
-        first = 0
-        for blocks in self.blocks:
+        for blocks, first in zip(self.blocks, self.firsts):
             launch_kernel(read_kernel, blocks, BLOCK, self.words, first, self.sink)
-            first += blocks * BLOCK * UNROLL * LOAD_BYTES // 4
