@@ -1,0 +1,90 @@
+"""Reads shaped like a decode GEMM: how much of the GEMMs' gap to plain reads comes from
+their access pattern and residency, and how much from their arithmetic.
+
+A swapped decode GEMM (`numba_kernels.gemm`) gives each CTA one 64-feature chunk of one
+expert and 4 warps along K; each warp loads its run of slabs in batches of 4 (16 bytes a
+lane per slab, 512 bytes a warp). The kernels here do only those loads, with the GEMM's
+grid and loop, over a buffer of the same bytes:
+
+* slab-major: the weights as `formats.native` stores them (a slab's chunks side by side,
+  so a warp's consecutive slabs lie N / 64 x 512 bytes apart);
+* chunk-major: each chunk's slabs contiguous instead;
+* N/SM: slab-major, with dynamic shared memory that lets at most N CTAs share an SM, as
+  registers limit the GEMMs (4 CTAs of 128 threads at 120 registers a thread);
+
+beside a plain read of the bytes (`reads.PlainReads`). Everything is timed as bench_moe
+times the GEMMs: one CUDA graph, L2 flushed, median.
+
+    python benchmarks/read_patterns.py
+"""
+
+from __future__ import annotations
+
+import torch
+from numba import cuda, int64, uint32
+
+from bench_moe import Timer, captured, replayed
+from numba_kernels import ptx
+from numba_kernels.launch import launch_kernel
+from reads import PlainReads
+
+WARPS_K, BATCH, WARP_WORDS = 4, 4, 128  # the GEMM's warps along K, slabs per batch, words per slab and warp
+BATCH_WORDS = 4 * BATCH  # a lane's words of a batch
+SHARED_PER_SM = 228 * 1024
+# (name, experts touched, 64-feature chunks, slabs of 16 K): the decode GEMMs' shapes
+SHAPES = [("Qwen3 gemm1 M=16", 80, 1536 // 64, 2048 // 16), ("Qwen3 gemm2 M=16", 80, 2048 // 64, 768 // 16),
+          ("Mixtral gemm1 M=1", 2, 28672 // 64, 4096 // 16), ("Mixtral gemm2 M=1", 2, 4096 // 64, 14336 // 16)]
+_load4 = ptx.load_words[4]
+
+
+def shaped_reads(chunk_major: bool):
+    """A kernel whose CTA (expert, chunk) loads what the GEMM's CTA loads, warp by warp."""
+
+    @cuda.jit
+    def read(words, sink, chunks, slabs):
+        cuda.shared.array(0, uint32)  # only its size matters: CTAs per SM
+        expert, chunk = cuda.blockIdx.x // chunks, cuda.blockIdx.x % chunks
+        lane, warp = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32
+        run = slabs // WARPS_K
+        acc = uint32(0)
+        for first in range(warp * run, (warp + 1) * run, BATCH):
+            batch = cuda.local.array(BATCH_WORDS, uint32)
+            for d in range(BATCH):  # every load of the batch before the first use
+                if chunk_major:
+                    slab_chunk = (int64(expert) * chunks + chunk) * slabs + first + d
+                else:
+                    slab_chunk = (int64(expert) * slabs + first + d) * chunks + chunk
+                at = slab_chunk * WARP_WORDS + 4 * lane
+                batch[4 * d], batch[4 * d + 1], batch[4 * d + 2], batch[4 * d + 3] = _load4(words, at)
+            for i in range(BATCH_WORDS):
+                acc ^= batch[i]
+        if acc == uint32(0x5EED):  # never, on a zeroed buffer: keeps the loads
+            sink[0] = acc
+
+    return read
+
+
+def main() -> None:
+    timer = Timer()
+    kernels = {False: shaped_reads(False), True: shaped_reads(True)}
+    print(f"{torch.cuda.get_device_name()}: us (TB/s) of reads shaped like a decode GEMM")
+    for name, experts, chunks, slabs in SHAPES:
+        words = torch.zeros(experts * chunks * slabs * WARP_WORDS, dtype=torch.int32, device="cuda")
+        sink = torch.zeros(1, dtype=torch.int32, device="cuda")
+        nbytes = 4 * words.numel()
+        variants = [("slab-major", False, 0), ("chunk-major", True, 0)] + [
+            (f"{per_sm}/SM", False, per_sm) for per_sm in (4, 6, 8)]
+        figures = []
+        for label, chunk_major, per_sm in variants:
+            shared = (SHARED_PER_SM // per_sm - 1024) // 16 * 16 if per_sm else 0  # 1 KB a CTA the system keeps
+            run = lambda kernel=kernels[chunk_major], shared=shared: launch_kernel(  # noqa: E731
+                kernel, experts * chunks, 32 * WARPS_K, words, sink, chunks, slabs, shared_bytes=shared)
+            figures.append((label, timer(captured(replayed(run)))))
+        plain = PlainReads([nbytes])  # held: the graph does not keep its buffer alive
+        figures.append(("plain", timer(captured(replayed(plain)))))
+        print(f"{name} ({nbytes / 1e6:.1f} MB): " + ", ".join(
+            f"{label} {ms * 1e3:.1f} ({nbytes / ms / 1e9:.2f})" for label, ms in figures), flush=True)
+
+
+if __name__ == "__main__":
+    main()
