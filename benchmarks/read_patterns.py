@@ -69,6 +69,8 @@ def main() -> None:
     kernels = {False: shaped_reads(False), True: shaped_reads(True)}
     print(f"{torch.cuda.get_device_name()}: us (TB/s) of reads shaped like a decode GEMM")
     for name, experts, chunks, slabs in SHAPES:
+        if slabs % (WARPS_K * BATCH):  # each warp reads whole batches
+            raise ValueError(f"{name}: {slabs} slabs do not split into {WARPS_K} warps' batches of {BATCH}")
         words = torch.zeros(experts * chunks * slabs * WARP_WORDS, dtype=torch.int32, device="cuda")
         sink = torch.zeros(1, dtype=torch.int32, device="cuda")
         nbytes = 4 * words.numel()
@@ -77,8 +79,10 @@ def main() -> None:
         figures = []
         for label, chunk_major, per_sm in variants:
             shared = (SHARED_PER_SM // per_sm - 1024) // 16 * 16 if per_sm else 0  # 1 KB a CTA the system keeps
-            run = lambda kernel=kernels[chunk_major], shared=shared: launch_kernel(  # noqa: E731
-                kernel, experts * chunks, 32 * WARPS_K, words, sink, chunks, slabs, shared_bytes=shared)
+
+            def run(kernel=kernels[chunk_major], shared=shared):
+                launch_kernel(kernel, experts * chunks, 32 * WARPS_K, words, sink, chunks, slabs, shared_bytes=shared)
+
             figures.append((label, timer(captured(replayed(run)))))
         plain = PlainReads([nbytes])  # held: the graph does not keep its buffer alive
         figures.append(("plain", timer(captured(replayed(plain)))))
