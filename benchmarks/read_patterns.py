@@ -23,17 +23,26 @@ from __future__ import annotations
 import torch
 from numba import cuda, int64, uint32
 
-from bench_moe import Timer, captured, replayed
+from bench_moe import SHAPES as MODELS, Timer, captured, replayed
 from numba_kernels import ptx
+from numba_kernels.fragments import CHUNK_N, SLAB_K
 from numba_kernels.launch import launch_kernel
 from reads import PlainReads
 
-WARPS_K, BATCH, WARP_WORDS = 4, 4, 128  # the GEMM's warps along K, slabs per batch, words per slab and warp
+WARPS_K, BATCH = 4, 4  # the GEMM's warps along K and slabs per batch
+WARP_WORDS = CHUNK_N * SLAB_K * 4 // 32  # a warp's words of a slab: 4-bit codes of 64 features x 16 K
 BATCH_WORDS = 4 * BATCH  # a lane's words of a batch
 SHARED_PER_SM = 228 * 1024
-# (name, experts touched, 64-feature chunks, slabs of 16 K): the decode GEMMs' shapes
-SHAPES = [("Qwen3 gemm1 M=16", 80, 1536 // 64, 2048 // 16), ("Qwen3 gemm2 M=16", 80, 2048 // 64, 768 // 16),
-          ("Mixtral gemm1 M=1", 2, 28672 // 64, 4096 // 16), ("Mixtral gemm2 M=1", 2, 4096 // 64, 14336 // 16)]
+ROWS = [("qwen3", 16, 80), ("mixtral", 1, 2)]  # (model, tokens, experts they touch): the rows measured
+
+
+def gemm_shapes(model: str) -> list[tuple[str, int, int]]:
+    """(GEMM, 64-feature chunks, slabs of 16 K) of gemm1 (N = 2 I, K = H) and gemm2 (N = H, K = I)."""
+    hidden, intermediate = MODELS[model]["hidden_size"], MODELS[model]["intermediate_size"]
+    return [("gemm1", 2 * intermediate // CHUNK_N, hidden // SLAB_K),
+            ("gemm2", hidden // CHUNK_N, intermediate // SLAB_K)]
+
+
 _load4 = ptx.load_words[4]
 
 
@@ -68,7 +77,9 @@ def main() -> None:
     timer = Timer()
     kernels = {False: shaped_reads(False), True: shaped_reads(True)}
     print(f"{torch.cuda.get_device_name()}: us (TB/s) of reads shaped like a decode GEMM")
-    for name, experts, chunks, slabs in SHAPES:
+    shapes = [(f"{model} {gemm} M={tokens}", experts, chunks, slabs)
+              for model, tokens, experts in ROWS for gemm, chunks, slabs in gemm_shapes(model)]
+    for name, experts, chunks, slabs in shapes:
         if slabs % (WARPS_K * BATCH):  # each warp reads whole batches
             raise ValueError(f"{name}: {slabs} slabs do not split into {WARPS_K} warps' batches of {BATCH}")
         words = torch.zeros(experts * chunks * slabs * WARP_WORDS, dtype=torch.int32, device="cuda")
