@@ -347,7 +347,10 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
         if words_per_lane == 8:
             raw[4], raw[5], raw[6], raw[7] = load4(weights[0], first + 4)
         if scale_words:
-            row = int64(e) * groups + uint32(slab) * uint32(SLAB_K) // uint32(group_size)
+            if group_size == SLAB_K:  # a group a slab (NVFP4): a batch's rows a constant apart, one address
+                row = int64(e) * groups + slab
+            else:
+                row = int64(e) * groups + uint32(slab) * uint32(SLAB_K) // uint32(group_size)
             column = chunk * CHUNK_N + 8 * (lane_id // 4)
             if scale_words == 4:
                 (raw[words_per_lane], raw[words_per_lane + 1], raw[words_per_lane + 2],

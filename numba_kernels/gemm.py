@@ -248,12 +248,18 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     if a_in_shared:  # splits start on stage boundaries
         slabs_per_split = -(-slabs_per_split // stage_slabs) * stage_slabs
     warp_run = -(-slabs_per_split // warps_k)  # decode: each warp takes a contiguous run of its split's slabs
+    # Where every run's length is a multiple of `depth` (the runs' ends, splits' ends and
+    # K's end all on batch boundaries), each batch is whole or past the run: the loop checks
+    # a batch at a time, and ptxas gets a batch's slabs as one block to interleave.
+    whole_batches = not (total_slabs % depth or slabs_per_split % depth or warp_run % depth)
     # Decode with swapped operands applies zero points and scales once per group (DeferredScales).
     defers = swap_ab and reader.deferred is not None
     deferred = reader.deferred if defers else None
     codes, group_scale, group_offset = (deferred.codes, deferred.scale, deferred.offset) if defers else (None,) * 3
     one_pair = uint32(HALF_CONSTANTS[half].one)  # the A operand of the mma that sums activations
     group_slabs = uint32((deferred.group_slabs or total_slabs + 1) if defers else 1)
+    # Whether a run may end inside a scale group, which then folds at the run's end too.
+    run_end_folds = bool(total_slabs % group_slabs or slabs_per_split % group_slabs or warp_run % group_slabs)
     gacc_shape = (acc_i, acc_j, 4) if defers else (1, 1, 1)
     size_n, size_k = n, k
     n_chunks = -(-n // CHUNK_N)
@@ -356,6 +362,21 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
 
     # -- decode: A words fetched with the weights, straight from global memory -------------------
 
+    def range_check(check: str | None):
+        """in_range(first_slab, slab, end_slab): whether `slab` of the batch at first_slab
+        is short of end_slab, as far as `check` (batch_steps) needs to know."""
+        per_slab, per_batch = check == "slab", check == "batch"
+
+        @ptx.device
+        def in_range(first_slab, slab, end_slab):
+            if per_slab:
+                return slab < end_slab
+            if per_batch:
+                return first_slab < end_slab
+            return True
+
+        return in_range
+
     @ptx.device
     def a_word(act, weights, expert, row, slab, t, r):
         """The lane's activation pair of `row` at k = 16 slab + 2t + 8r. With flat loads
@@ -364,17 +385,18 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
             return load_word(act, row + slab * (SLAB_K // 2) + 4 * r)
         return activation_pair(act, weights[4], expert, row, slab * SLAB_K + 2 * t + 8 * r)
 
-    def batch_fetcher(checked: bool, weight_words: bool = True, a_words: bool = True):
+    def batch_fetcher(check: str | None, weight_words: bool = True, a_words: bool = True):
         """fetch_batch(act, weights, expert, first_slab, end_slab, chunk, lane, rows, raw,
         a_raw): issue the loads of `depth` slabs (first_slab + d), their weight words and/or
-        A words; `checked`: see batch_steps."""
+        A words; `check`: see batch_steps."""
+        in_range = range_check(check)
 
         @ptx.device
         def fetch_batch(act, weights, expert, first_slab, end_slab, chunk, lane, rows, raw, a_raw):
             t = lane % 4
             for d in range(depth):
                 slab = first_slab + d
-                if not checked or slab < end_slab:
+                if in_range(first_slab, slab, end_slab):
                     if weight_words:
                         fetch(weights, expert, slab, chunk, lane, raw[d])
                     if a_words:
@@ -385,21 +407,24 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
 
         return fetch_batch
 
-    def batch_steps(checked: bool):
-        """fetch_batch and two_batches for `depth` slabs per batch; `checked`: skip the
-        slabs at or past end_slab (a run's last batches), else every slab is in range and
-        short of the run's last (`GemmTile.steady_loop`: no per-slab compare and branch)."""
-        fetch_batch = batch_fetcher(checked)
+    def batch_steps(check: str | None):
+        """fetch_batch and two_batches for `depth` slabs per batch; `check`: "slab" skips
+        the slabs at or past end_slab (a run's last batches), "batch" the batches at or past
+        it (`whole_batches`: one compare and branch a batch), None none (every slab in
+        range and short of the run's last: `GemmTile.steady_loop`)."""
+        fetch_batch, in_range = batch_fetcher(check), range_check(check)
+        folds_at_end = run_end_folds and check is not None
 
         @ptx.device
         def multiply_batch(weights, expert, first_slab, end_slab, chunk, lane, raw, a_raw, params, frags, group, acc,
                            gacc, a_sum):
             for d in range(depth):
                 slab = first_slab + d
-                if not checked or slab < end_slab:
+                if in_range(first_slab, slab, end_slab):
                     if defers:
                         multiply_codes(raw[d], a_raw[d], frags, gacc, a_sum)
-                        if (uint32(slab) + uint32(1)) % group_slabs == 0 or (checked and slab + 1 == end_slab):
+                        if (uint32(slab) + uint32(1)) % group_slabs == 0 or (
+                                folds_at_end and slab + 1 == end_slab):
                             fold_group(raw[d], acc, gacc, a_sum)  # the group's last slab in this run
                     else:
                         group = multiply_slab(weights, expert, slab, chunk, lane, raw[d], params, frags, group,
@@ -423,8 +448,9 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
 
         return fetch_batch, two_batches
 
-    (fetch_batch, two_batches), (_, two_whole_batches) = batch_steps(True), batch_steps(False)
-    fetch_weight_words, fetch_a_words = batch_fetcher(True, a_words=False), batch_fetcher(True, weight_words=False)
+    edge = "batch" if whole_batches else "slab"
+    (fetch_batch, two_batches), (_, two_whole_batches) = batch_steps(edge), batch_steps(None)
+    fetch_weight_words, fetch_a_words = batch_fetcher(edge, a_words=False), batch_fetcher(edge, weight_words=False)
     steady_loop = tile.steady_loop
 
     @ptx.device

@@ -211,6 +211,8 @@ def test_swapped_operands_give_the_same_products(spec, tile, tokens, top_k):
 
 @pytest.mark.parametrize("spec, tile", [
     (formats.native(4, 64), SWAP),  # K = 192: warp 1's run of 6 slabs straddles groups 1 and 2
+    # runs of 6 slabs in batches of 4: checked slab by slab (the others are whole batches)
+    (formats.native(4, 64), GemmTile(block_m=8, warps_k=2, slabs_per_warp=4, swap_ab=True)),
     (formats.native(4, 64, zero_points=True, half="float16"), SWAP),
     (formats.native(4, 128), GemmTile(block_m=8, warps_k=4, slabs_per_warp=1, swap_ab=True)),  # a short last group
     (formats.native(4, 32), GemmTile(block_m=8, warps_k=1, slabs_per_warp=1, split_k=2, swap_ab=True)),
@@ -218,7 +220,8 @@ def test_swapped_operands_give_the_same_products(spec, tile, tokens, top_k):
 def test_deferred_scales_per_group_give_the_same_products(spec, tile):
     """Swapped decode over 4-bit codes sums (M + q) a per scale group and applies zero
     point and scale in float32 (`fragments.DeferredScales`): group sizes, zero points,
-    either half type, warp runs that straddle groups, a short last group, K splits."""
+    either half type, warp runs that straddle groups, a short last group, K splits, runs
+    of whole batches and runs that end inside one."""
     half = torch.float16 if spec.scale_format.name == "float16" else torch.bfloat16
     assert fragment_reader(spec, 80, 192, interop.HALF_NAMES[half]).deferred is not None
     assert_close(*run_case(spec, (2, 80, 192), tokens=3, top_k=2, tile=tile, half=half))
