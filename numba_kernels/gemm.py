@@ -29,7 +29,9 @@ The operands come from one of two places, a tile option:
 * global memory (decode, `a_in_shared=False`): each lane loads its weight words and its
   few A words straight from global memory (activations are L1/L2-resident); no barrier
   in the main loop, so every warp streams its weights independently, a contiguous run of
-  its split's slabs (whole scale groups);
+  its split's slabs (whole scale groups), checked against the run's end a batch at a time
+  where every run is whole batches (K, split and run multiples of `slabs_per_warp`), else
+  a slab at a time;
 * shared memory (prefill, `a_in_shared=True`): a `stages`-deep pipeline of `cp.async`
   copies brings each stage of `warps_k * slabs_per_warp` slabs into shared memory -- the
   block's activation rows (padded by 4 words so that `ldmatrix` rows hit 32 different
@@ -106,8 +108,9 @@ class GemmTile:
                     per CTA (the tuner picks it where that wins). A prefill tile finishes
                     only gemm1's activation, in its epilogue (`paired_activation`).
     steady_loop:    decode: while whole batches remain, run a copy of the main loop without
-                    the per-slab range checks (fewer instructions per slab where
-                    dequantisation is issue-bound, but more code and registers).
+                    range checks (none per slab where runs end inside a batch, none per
+                    batch where they do not: fewer instructions where dequantisation is
+                    issue-bound, but more code and registers).
     chunks_first:   the order CTAs start in: all output chunks of a token block before the
                     next block (its activation rows come from DRAM once, read by CTAs that
                     run together), rather than all blocks of a chunk first (an expert's
