@@ -61,7 +61,8 @@ def shaped_reads(chunk_major: bool, buffers: int = 2, rounds: int = 0):
              (1: each batch is loaded, then used);
     rounds:  rounds of dependent integer work on each loaded word (a shift, a multiply
              and an xor each: 12 instructions a slab per round), standing in for the
-             GEMM's work per slab (about 90 instructions, BENCHMARKS.md)."""
+             GEMM's work per slab (about 90 instructions a warp in the
+             twenty-fourth session's profile, BENCHMARKS.md)."""
 
     @cuda.jit(device=True)
     def load_batch(words, expert, chunk, chunks, slabs, first, lane, raw, slot):
