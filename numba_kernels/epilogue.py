@@ -6,8 +6,9 @@ kernel does: on the H200 the two took about 6 of Qwen3's 31 us per layer at M = 
 GEMM can take the reduction that reads its output (`then=` of `gemm.grouped_gemm`):
 
 1. every CTA writes its float32 partials (split_k, slots, N) as usual;
-2. it publishes them (`cuda.threadfence`) and counts itself, with `cuda.atomic.add`, in
-   the arrival counter of every output tile its partials feed;
+2. after a `syncthreads` it publishes them and counts itself in one atomic (`ptx.arrive`,
+   a release and an acquire at GPU scope) in the arrival counter of every output tile its
+   partials feed;
 3. the CTA whose arrival completes a counter is the last writer of that tile: it sums the
    partials in the separate kernel's fixed order (splits ascending, slots ascending), so
    the result is bitwise the same, writes the finished halves and resets the counter to
@@ -22,7 +23,7 @@ GEMM can take the reduction that reads its output (`then=` of `gemm.grouped_gemm
                         of the token's top_k slots from every split: top_k S arrivals, one
                         per slot, counted by whichever block holds the slot.
 
-Every CTA's tail grows by a fence, a counter round trip and (the last) a round of L2
+Every CTA's tail grows by a barrier, a counter round trip and (the last) a round of L2
 reads: on the H200 that paid at 1 to 4 tokens, where the grid is one wave, and lost
 where it is several (`moe.oracle`: only the tuner sets `GemmTile.fused_reduction`). The last CTA reads partials that
 other CTAs wrote during this launch, so it loads them past the incoherent L1
@@ -44,7 +45,7 @@ from numba import cuda, float32, int16, int32, int64
 
 from . import interop
 from .activation import Activation, _pointwise
-from .ptx import bits_f32, device, load_coherent, to_half
+from .ptx import arrive, bits_f32, device, load_coherent, to_half
 from .rows import ZERO
 
 
@@ -163,17 +164,15 @@ def make_finisher(kind: tuple, n: int, block_m: int, block_n: int, split_k: int,
         @device
         def finish_activation(partials, out, arrivals, topk_weights, slots, num_slots, block, column, tid):
             last = cuda.shared.array(1, int32)
-            cuda.threadfence()
             cuda.syncthreads()
             tile = column % tiles
             counter = block * tiles + tile
             if tid == 0:
-                last[0] = int32(cuda.atomic.add(arrivals, counter, 1) == expected - 1)
+                last[0] = int32(arrive(arrivals, counter) == expected - 1)
             cuda.syncthreads()
             if last[0]:
                 if tid == 0:
                     arrivals[counter] = 0
-                cuda.threadfence()
                 gate = cuda.local.array(per_thread, float32)
                 up = cuda.local.array(per_thread, float32)
                 for r in range(per_thread):  # every load first: the stores below could alias them
@@ -204,7 +203,6 @@ def make_finisher(kind: tuple, n: int, block_m: int, block_n: int, split_k: int,
     @device
     def finish_combine(partials, out, arrivals, topk_weights, slots, num_slots, block, column, tid):
         last = cuda.shared.array(block_m, int32)
-        cuda.threadfence()
         cuda.syncthreads()
         columns = -(-n // block_n)
         if tid < block_m:
@@ -212,12 +210,11 @@ def make_finisher(kind: tuple, n: int, block_m: int, block_n: int, split_k: int,
             finished = 0
             if slot < num_slots:
                 counter = (slot // top_k) * columns + column
-                if cuda.atomic.add(arrivals, counter, 1) == expected - 1:
+                if arrive(arrivals, counter) == expected - 1:
                     arrivals[counter] = 0
                     finished = 1
             last[tid] = finished
         cuda.syncthreads()
-        cuda.threadfence()
         total = cuda.local.array((block_m, columns_per_thread), float32)
         for i in range(block_m):  # every load first: the stores below could alias them
             for q in range(columns_per_thread):

@@ -21,6 +21,7 @@ helper                   PTX                                 used for
 ``load_words[n](a, i)``  ld.global.nc{,.v2,.v4}.u32          n words at flat element i
 ``load_shared[n](s, i)`` ld.shared{,.v2,.v4}.u32             n words of a shared array
 ``load_coherent(a, i)``  ld.global.cg.u32                    a word other CTAs wrote
+``arrive(a, i)``         atom.acq_rel.gpu.global.add.u32     publish a CTA's stores
 ``copy_async(s, i, a,    cp.async.cg.shared.global 16        prefill: global -> shared
 base, j, bytes)``                                            without registers
 ``commit_copies()``      cp.async.commit_group               close a pipeline stage
@@ -361,6 +362,17 @@ def _twin_load_bits(array, offset):
 _pending = threading.local()
 
 
+_arrival_lock = threading.Lock()
+
+
+def _twin_arrive(array, offset):
+    with _arrival_lock:
+        flat = array.reshape(-1)
+        old = np.uint32(flat[offset])
+        flat[offset] = old + np.uint32(1)
+    return old
+
+
 def _twin_async_copies():
     """Copies are queued per thread and land when a wait lets their group complete."""
 
@@ -480,14 +492,15 @@ def _check_flat(array, *offsets):
         raise TypeError(f"needs a C-contiguous integer or float array and integer offsets, got {array}, {offsets}")
 
 
-def _gpu_read(asm: str, count: int, address, collective: bool = False):
+def _gpu_read(asm: str, count: int, address, in_place: bool = False):
     """An intrinsic (array, flat offset) -> `count` uint32 words, the result of `asm`
-    ($0 .. $count-1 the words, $count the address from `address`). A `collective`
-    instruction (the warp's ldmatrix) is kept in place: never moved across a barrier."""
+    ($0 .. $count-1 the words, $count the address from `address`). An `in_place`
+    instruction (the warp's collective ldmatrix, an atomic) is never moved across a
+    barrier or another memory access, nor dropped."""
     from llvmlite import ir
     from numba.cuda.extending import intrinsic
 
-    constraints = ",".join(["=r"] * count + ["l"] + (["~{memory}"] if collective else []))
+    constraints = ",".join(["=r"] * count + ["l"] + (["~{memory}"] if in_place else []))
 
     @intrinsic
     def read(typingctx, array, offset):
@@ -499,7 +512,7 @@ def _gpu_read(asm: str, count: int, address, collective: bool = False):
             i32 = ir.IntType(32)
             result_type = i32 if count == 1 else ir.LiteralStructType([i32] * count)
             loaded = builder.call(ir.InlineAsm(ir.FunctionType(result_type, [pointer.type]), asm, constraints,
-                                               side_effect=collective), [pointer])
+                                               side_effect=in_place), [pointer])
             if count == 1:
                 return loaded
             return context.make_tuple(builder, sig.return_type, [builder.extract_value(loaded, n) for n in range(count)])
@@ -624,9 +637,17 @@ load_words = {n: _twin_load_words(n) if SIMULATED else _gpu_word_load(n, "global
 # load_shared[n](shared, offset): the same from a uint32 shared array.
 load_shared = {n: _twin_load_words(n) if SIMULATED else _gpu_word_load(n, "shared") for n in (1, 2, 4)}
 # load_coherent(array, offset): the 32-bit word at flat element `offset` of a 32-bit array,
-# cached in L2 only: words another CTA of the same launch wrote (after a threadfence) are
+# cached in L2 only: words another CTA of the same launch wrote (published by `arrive`) are
 # read as written, never from a stale L1 line (`epilogue`).
 load_coherent = _twin_load_bits if SIMULATED else _gpu_read("ld.global.cg.u32 $0, [$1];", 1, _element_pointer)
+# arrive(counters, i): adds 1 to flat element `i` of a 32-bit counter array and returns the
+# old value, as a release and an acquire at GPU scope. After a `syncthreads`, one thread's
+# arrive publishes the stores of its whole CTA (the barrier orders them before it), and
+# the CTA that sees the last arrival reads every other CTA's stores after a `syncthreads`:
+# no `threadfence` (a sequentially consistent fence, in every thread) on either side. The
+# pattern of CUTLASS's semaphore (`epilogue`).
+arrive = _twin_arrive if SIMULATED else _gpu_read("atom.acq_rel.gpu.global.add.u32 $0, [$1], 1;", 1, _element_pointer,
+                                                  in_place=True)
 # copy_async(shared, i, source, base, j, source_bytes): 16 bytes from flat element base + j
 # of a global array to shared word i (both 16-byte aligned); bytes past source_bytes (0 or
 # 16) are zero. `base` is what a stage's copies share (its offset along K): the pointer to
@@ -636,7 +657,7 @@ load_coherent = _twin_load_bits if SIMULATED else _gpu_read("ld.global.cg.u32 $0
 copy_async, commit_copies, wait_copies = _twin_async_copies() if SIMULATED else _gpu_async_copies()
 # ldmatrix4(shared, i): the warp's four 8x8 half matrices, lane l naming a row at word i.
 ldmatrix4 = _twin_ldmatrix4 if SIMULATED else _gpu_read(
-    "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];", 4, _shared_pointer, collective=True)
+    "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];", 4, _shared_pointer, in_place=True)
 # Programmatic dependent launch (module docstring): wait_for_previous() blocks until the
 # kernel before has finished; release_next() lets the kernel after start launching.
 wait_for_previous = _twin_no_op if SIMULATED else _gpu_grid_control("griddepcontrol.wait;")

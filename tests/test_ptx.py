@@ -278,3 +278,36 @@ def test_grid_dependency_controls_leave_a_kernel_s_results_alone():
     out = cuda.to_device(np.zeros(16, np.int32))
     wait_release_copy[1, 16](cuda.to_device(words), out)
     assert np.array_equal(out.copy_to_host(), words + 1)
+
+
+def test_arrive_counts_every_block_once_and_the_last_reads_every_block_s_stores():
+    """The arrival pattern of `epilogue`: each block's threads store, the block arrives
+    once (`arrive` returns the count before it), and the block that arrives last sums the
+    others' stores through `load_coherent`."""
+    blocks, threads = 6, 32
+
+    @ptx.kernel
+    def publish_then_sum(words, counter, order, total):
+        block, tid = cuda.blockIdx.x, cuda.threadIdx.x
+        last = cuda.shared.array(1, int32)
+        words[block * threads + tid] = block * 100 + tid
+        cuda.syncthreads()
+        if tid == 0:
+            before = ptx.arrive(counter, 0)
+            order[block] = before
+            last[0] = int32(before == blocks - 1)
+        cuda.syncthreads()
+        if last[0]:
+            column = uint32(0)
+            for b in range(blocks):
+                column += ptx.load_coherent(words, b * threads + tid)
+            total[tid] = column
+
+    words = cuda.to_device(np.zeros(blocks * threads, np.int32))
+    counter = cuda.to_device(np.zeros(1, np.int32))
+    order = cuda.to_device(np.full(blocks, -1, np.int32))
+    total = cuda.to_device(np.zeros(threads, np.uint32))
+    publish_then_sum[blocks, threads](words, counter, order, total)
+    assert sorted(order.copy_to_host()) == list(range(blocks))
+    assert counter.copy_to_host()[0] == blocks
+    np.testing.assert_array_equal(total.copy_to_host(), 100 * sum(range(blocks)) + blocks * np.arange(threads))
