@@ -44,7 +44,7 @@ from moe import MoEConfig, MoEHooks, MoELayer, QuantScheme, check_inputs, prepar
 from moe.runner import fused_activation, fused_combine
 from numba_kernels import interop
 from numba_kernels.gemm import grouped_gemm
-from numba_kernels.launch import EARLY_LAUNCH, Launcher, recording
+from numba_kernels.launch import EARLY_LAUNCH, Launcher, recording, replaying
 from reads import PlainReads
 
 SHAPES = {"qwen3": dict(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768),
@@ -163,21 +163,6 @@ def captured(fn):
     return graph.replay
 
 
-def replayed(fn):
-    """`fn`'s kernel launches, recorded once and replayed as the layer replays its own
-    (`launch.Launcher`: a kernel that waits for the previous one is launched early)."""
-    with recording() as calls:
-        fn()
-    launchers = [Launcher(call) for call in calls]
-
-    def replay():
-        stream = interop.launch_stream_handle()
-        for launcher in launchers:
-            launcher.launch(stream)
-
-    return replay
-
-
 def gemm_bytes(layer: MoELayer, touched: int) -> tuple[int, int]:
     """Bytes of the touched experts' weights and scales that gemm1 and gemm2 read."""
     experts = layer.config.num_local_experts
@@ -202,7 +187,7 @@ def bench_row(timer, layer, reference, tokens, generator, bandwidth, rate) -> di
         grouped_gemm(buffers.intermediate, layer.weights.w2, *alignment, num_slots=slots, tile=backend.gemm2,
                      out=buffers.gemm2_out, then=then2 if fused else None, alignment_ready=True)
 
-    gemm_ms = timer(captured(replayed(gemms)))
+    gemm_ms = timer(captured(replaying(gemms)))
     layer_ms = timer(captured(lambda: layer(hidden, logits)))
 
     touched = int(torch.unique(topk_ids).numel())
@@ -219,9 +204,9 @@ def bench_row(timer, layer, reference, tokens, generator, bandwidth, rate) -> di
                fraction_of_floor=floor_ms / gemm_ms, layer_over_gemm=layer_ms / gemm_ms, torch_ms=torch_ms,
                grouped_mm_ms=grouped_mm_ms, backend=repr(backend))
     if tokens <= 16:
-        row["gemm_plain_ms"] = timer(captured(replayed(lambda: gemms(fused=False))))
+        row["gemm_plain_ms"] = timer(captured(replaying(lambda: gemms(fused=False))))
         reads = PlainReads(gemm_bytes(layer, touched))
-        row["read_ms"] = timer(captured(replayed(reads)))
+        row["read_ms"] = timer(captured(replaying(reads)))
         del reads
         row["kernel_us"] = kernel_times(layer, hidden, logits, timer)
     if tokens == 1:

@@ -3,14 +3,16 @@ token count to `moe/tuned/<device>.json`, which the oracle (`select_backend`) re
 
 For each token count M it routes M random tokens, and for each alignment block size
 times every candidate tile of gemm1 and of gemm2 on that alignment (CUDA-graph replays,
-L2 flushed), each together with the reduction that reads its output as the layer runs it
-(gemm1 -> activation, gemm2 -> combine: fused into a decode GEMM's last CTAs, gemm1's
-activation into a prefill GEMM's epilogue, else a kernel of its own; a K split in S
-parts makes it sum S partials, which the GEMM alone does not show), keeping the fastest
-pair; the block size with the smallest sum wins. A candidate's time is the mean over `routings` random
-routings (3 by default): with a few slots per expert one draw can rank two tiles the
-other way round from the next (on the H200 one draw picked a Mixtral M = 16 gemm2 tile
-that the benchmark's own draw timed 1.36x slower). The candidates are the oracle's own
+L2 flushed, of the launches replayed as the layer replays its own, `launch.replaying`: a
+kernel that waits for the one before starts early), each together with the reduction
+that reads its output as the layer runs it (gemm1 -> activation, gemm2 -> combine: fused
+into a decode GEMM's last CTAs, gemm1's activation into a prefill GEMM's epilogue, else
+a kernel of its own; a K split in S parts makes it sum S partials, which the GEMM alone
+does not show), keeping the fastest pair; the block size with the smallest sum wins. A
+candidate's time is the mean over `routings` random routings (3 by default): with a few
+slots per expert one draw can rank two tiles the other way round from the next (on the
+H200 one draw picked a Mixtral M = 16 gemm2 tile that the benchmark's own draw timed
+1.36x slower). The candidates are the oracle's own
 families (`candidate_tiles`): decode tiles (16-slot blocks, or 8-slot blocks with
 swapped operands, those also with the reduction fused into the GEMM or an unchecked
 steady loop; operands straight from global memory, K split over warps and CTAs)
@@ -41,6 +43,7 @@ from numba_kernels.align import align_sizes, moe_align_block_size
 from numba_kernels.combine import combine
 from numba_kernels.fragments import SLAB_K
 from numba_kernels.gemm import GemmTile, grouped_gemm
+from numba_kernels.launch import replaying
 
 from .config import MoEConfig, QuantScheme
 from .oracle import (DECODE_TILE, SWAPPED_DECODE_TILE, TUNED_DIR, Backend, activation_finishable, backend_to_dict,
@@ -217,7 +220,7 @@ def tune(config: MoEConfig, token_counts: Iterable[int], *, measure: Measure | N
                         combine(out, topk_weights, out=reduced[stage])
 
                 try:
-                    ms = statistics.fmean(measure(functools.partial(run, alignment), tile)
+                    ms = statistics.fmean(measure(replaying(functools.partial(run, alignment)), tile)
                                           for alignment in alignments(tile.block_m))
                 except ValueError as error:  # a tile this layout or shared memory cannot take
                     if report:

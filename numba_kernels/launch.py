@@ -12,7 +12,8 @@ the same launches (the MoE runner, per token count) records them once,
 
 and afterwards replays them with `Launcher.launch`: one `cuLaunchKernel` with a parameter
 buffer packed at record time. Arguments that change between calls (the user's inputs)
-are re-pointed in place with `Launcher.rebind`.
+are re-pointed in place with `Launcher.rebind`. `replaying(fn)` records a function's
+launches and returns them as one callable `Replay`: what `moe.tune` and the benchmark time.
 
 A kernel whose wrapper launches it with `waits=True` calls `ptx.wait_for_previous`
 before it touches what earlier kernels wrote. A `Launcher` launches such a kernel
@@ -247,6 +248,28 @@ class Launcher:
         """Whether this launch may start before the previous kernel ends (programmatic
         dependent launch, module docstring)."""
         return not SIMULATED and self._early is not None
+
+
+@attrs.frozen(eq=False)
+class Replay:
+    """A function's kernel launches, recorded once (`replaying`) and launched again on
+    torch's current stream as the layer launches its own: a kernel that waits for the
+    previous one starts early. What `moe.tune` and the benchmark time, so that a tile is
+    judged with the launch overlap it gets in the layer."""
+
+    launchers: tuple
+
+    def __call__(self) -> None:
+        stream = interop.launch_stream_handle()
+        for launcher in self.launchers:
+            launcher.launch(stream)
+
+
+def replaying(fn) -> Replay:
+    """Run `fn()` once (its launches happen), recording them for `Replay`."""
+    with recording() as calls:
+        fn()
+    return Replay(tuple(Launcher(call) for call in calls))
 
 
 def _early_launch_config(grid: tuple, block: tuple, shared_bytes: int):

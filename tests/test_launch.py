@@ -69,6 +69,30 @@ def test_a_recorded_launch_replays_with_rebound_arrays():
     torch.testing.assert_close(out2, _expected(values2, pairs, index2, 2.0))
 
 
+def test_replaying_runs_a_function_once_and_replays_its_launches_in_order():
+    """`launch.replaying` (what `moe.tune` and the benchmark time): the recorded launches
+    run again in their order, on the arrays they were recorded with."""
+    n = 16
+    values, pairs, index = _inputs(n, 0)
+    first, second = torch.zeros(n, device=values.device), torch.zeros(n, device=values.device)
+    to = interop.to_kernel
+
+    def two_launches():
+        launch_kernel(_scaled_gather, 1, 32, to(values), (to(pairs[0]), to(pairs[1])), to(index), np.float32(1.0),
+                      to(first))
+        launch_kernel(_scaled_gather, 1, 32, to(first), (to(pairs[0]), to(pairs[1])), to(index), np.float32(2.0),
+                      to(second))
+
+    replay = launch.replaying(two_launches)
+    assert len(replay.launchers) == 2
+    expected = _expected(_expected(values, pairs, index, 1.0), pairs, index, 2.0)
+    torch.testing.assert_close(second, expected)  # recording ran the function once
+    first.zero_()
+    second.zero_()
+    replay()
+    torch.testing.assert_close(second, expected)  # the second launch read the first's output
+
+
 def test_recording_is_scoped_and_nests():
     values, pairs, index = _inputs(8, 0)
     out = torch.empty(8, device=values.device)

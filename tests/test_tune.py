@@ -13,7 +13,6 @@ from moe.oracle import activation_finishable
 from moe.tune import ProgressBar, candidate_tiles, refine_candidates, save, tune
 from moe.weights import kernel_spec
 from numba_kernels.gemm import GemmTile
-from numba_kernels.launch import recording
 
 CONFIG = MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=64,
                    quant=QuantScheme("native", bits=4, group_size=32))
@@ -24,10 +23,9 @@ FAST = GemmTile(block_m=16, warps_k=2, slabs_per_warp=1, fused_reduction=True)
 def test_tuner_keeps_the_fastest_tiles_and_the_oracle_reads_them(tmp_path, monkeypatch):
     launched = []
 
-    def measure(fn, tile):  # runs each candidate once (real launches), then a scripted time
-        with recording() as calls:
-            fn()
-        launched.append((tile, len(calls)))
+    def measure(replay, tile):  # replays each candidate once (real launches), then a scripted time
+        replay()
+        launched.append((tile, len(replay.launchers)))
         return 1.0 if tile == FAST else 2.0
 
     finished = {}
@@ -84,7 +82,16 @@ def test_progress_bar_counts_to_the_total():
     assert "[######]" in stream.getvalue()
 
 
-def test_refine_times_the_current_choice_and_its_flipped_options():
+@pytest.fixture
+def heuristic_only(tmp_path, monkeypatch):
+    """The oracle without a tuned table: the heuristic's choices, whatever this device tuned."""
+    monkeypatch.setattr(moe.oracle, "TUNED_DIR", tmp_path)
+    moe.oracle.tuned_table.cache_clear()
+    yield
+    moe.oracle.tuned_table.cache_clear()
+
+
+def test_refine_times_the_current_choice_and_its_flipped_options(heuristic_only):
     mixtral = MoEConfig(num_experts=8, top_k=2, hidden_size=4096, intermediate_size=14336, quant=QuantScheme("nvfp4"))
     current = select_backend(mixtral, 1, kernel_spec(mixtral)).gemm1
     tiles = refine_candidates(1, mixtral, mixtral.hidden_size)
