@@ -2,17 +2,20 @@
 token count to `moe/tuned/<device>.json`, which the oracle (`select_backend`) reads.
 
 For each token count M it routes M random tokens, and for each alignment block size
-times every candidate tile of gemm1 and of gemm2 on that alignment (CUDA-graph replays,
-L2 flushed, of the launches replayed as the layer replays its own, `launch.replaying`: a
-kernel that waits for the one before starts early), each together with the reduction
-that reads its output as the layer runs it (gemm1 -> activation, gemm2 -> combine: fused
-into a decode GEMM's last CTAs, gemm1's activation into a prefill GEMM's epilogue, else
-a kernel of its own; a K split in S parts makes it sum S partials, which the GEMM alone
-does not show), keeping the fastest pair; the block size with the smallest sum wins. A
-candidate's time is the mean over `routings` random routings (3 by default): with a few
-slots per expert one draw can rank two tiles the other way round from the next (on the
-H200 one draw picked a Mixtral M = 16 gemm2 tile that the benchmark's own draw timed
-1.36x slower). The candidates are the oracle's own
+times every candidate tile of gemm1 and of gemm2 on that alignment, each together with
+the reduction that reads its output as the layer runs it (gemm1 -> activation, gemm2 ->
+combine: fused into a decode GEMM's last CTAs, gemm1's activation into a prefill GEMM's
+epilogue, else a kernel of its own; a K split in S parts makes it sum S partials, which
+the GEMM alone does not show). Every time is a CUDA-graph replay, L2 flushed, of the
+launches replayed as the layer replays its own (`launch.replaying`: a kernel that waits
+for the one before starts early). The `FINALISTS` fastest tiles of each GEMM are then
+timed in pairs, one GEMM after the other as in the layer, where gemm2 starts beside
+gemm1's tail: on the H200 a fused gemm1 won alone by 2 to 3 % but lost in the layer's
+sequence by 2 to 5 % (DeepSeek at M = 4 and 16, BENCHMARKS.md). The fastest pair wins,
+over all block sizes. A time is the mean over `routings` random routings (3 by
+default): with a few slots per expert one draw can rank two tiles the other way round
+from the next (on the H200 one draw picked a Mixtral M = 16 gemm2 tile that the
+benchmark's own draw timed 1.36x slower). The candidates are the oracle's own
 families (`candidate_tiles`): decode tiles (16-slot blocks, or 8-slot blocks with
 swapped operands, those also with the reduction fused into the GEMM or an unchecked
 steady loop; operands straight from global memory, K split over warps and CTAs)
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import statistics
 import sys
@@ -52,7 +56,9 @@ from .runner import fused_activation, fused_combine
 from .weights import ExpertWeights, kernel_spec
 from .workspace import arrivals_elements, gemm_out_elements, gemm_view
 
-Measure = Callable[[Callable[[], None], GemmTile], float]
+Measure = Callable[[Callable[[], None], GemmTile | Backend], float]
+FINALISTS = 2
+"""The fastest tiles of each GEMM (per block size) whose pairs are timed together."""
 
 
 PREFILL_SHAPES = [  # (block_m, warps_m, warps_n, slabs_per_warp, stages): the best of a wider H200 sweep
@@ -167,11 +173,12 @@ def cuda_graph_measure(repeats: int = 20) -> Measure:
 
 def tune(config: MoEConfig, token_counts: Iterable[int], *, measure: Measure | None = None,
          candidates: Callable[[int, MoEConfig, int], list[GemmTile]] = candidate_tiles, seed: int = 0,
-         progress: bool = True, report: Callable[[int, str, GemmTile, float | None], None] | None = None,
+         progress: bool = True, report: Callable[[int, str, GemmTile | Backend, float | None], None] | None = None,
          routings: int = 3, finished: Callable[[int, Backend], None] | None = None) -> dict[int, Backend]:
     """The fastest backend per token count (see the module docstring); `report` sees every
-    measurement (token count, "gemm1" or "gemm2", tile, ms or None when skipped),
-    `finished` each token count's backend as soon as it is chosen."""
+    measurement (token count, "gemm1" or "gemm2", tile, ms or None when skipped; "pair",
+    backend, ms for the finalists timed together), `finished` each token count's backend
+    as soon as it is chosen."""
     if routings < 1:
         raise ValueError(f"routings must be at least 1, got {routings}")
     measure = measure or cuda_graph_measure()
@@ -203,25 +210,33 @@ def tune(config: MoEConfig, token_counts: Iterable[int], *, measure: Measure | N
         def alignments(block_m: int) -> list:  # each draw aligned once per block size
             return [moe_align_block_size(ids, block_m, config.num_experts, check_ids=False) for ids in draws]
 
-        timings: dict[int, dict[str, tuple[float, GemmTile]]] = {}
-        for stage, tiles, act, n, k in (("gemm1", tiles1, hidden, n1, h), ("gemm2", tiles2, intermediate, h, i)):
+        def runner(stage: str, tile: GemmTile):
+            """run(alignment): the GEMM of `stage` with `tile`, then the reduction reading its output."""
+            act, stored, n = (hidden, weights.w13, n1) if stage == "gemm1" else (intermediate, weights.w2, h)
+            out = gemm_view(torch.empty(gemm_out_elements(tile, slots, n), dtype=torch.float32, device=device),
+                            tile, slots, n, half)
+            then = (fused_activation(config, tile, reduced[stage], arrivals) if stage == "gemm1"
+                    else fused_combine(config, tile, topk_weights, reduced[stage], arrivals))
+
+            def run(alignment):
+                grouped_gemm(act, stored, *alignment, num_slots=slots, tile=tile, out=out, then=then)
+                if then is None and stage == "gemm1":
+                    activate(out, config.activation, out=reduced[stage])
+                elif then is None:
+                    combine(out, topk_weights, out=reduced[stage])
+
+            return run
+
+        def timed(runs: list, subject: GemmTile | Backend) -> float:
+            """Mean over the routings of `runs` one after another, replayed as the layer does."""
+            return statistics.fmean(measure(replaying(lambda: [run(alignment) for run in runs]), subject)
+                                    for alignment in alignments(subject.block_m))
+
+        timings: dict[int, dict[str, list[tuple[float, GemmTile]]]] = {}
+        for stage, tiles in (("gemm1", tiles1), ("gemm2", tiles2)):
             for tile in tiles:
-                out = gemm_view(torch.empty(gemm_out_elements(tile, slots, n), dtype=torch.float32, device=device),
-                                tile, slots, n, half)
-                stored = weights.w13 if stage == "gemm1" else weights.w2
-                then = (fused_activation(config, tile, reduced[stage], arrivals) if stage == "gemm1"
-                        else fused_combine(config, tile, topk_weights, reduced[stage], arrivals))
-
-                def run(alignment, tile=tile, act=act, stored=stored, out=out, stage=stage, then=then):
-                    grouped_gemm(act, stored, *alignment, num_slots=slots, tile=tile, out=out, then=then)
-                    if then is None and stage == "gemm1":
-                        activate(out, config.activation, out=reduced[stage])
-                    elif then is None:
-                        combine(out, topk_weights, out=reduced[stage])
-
                 try:
-                    ms = statistics.fmean(measure(replaying(functools.partial(run, alignment)), tile)
-                                          for alignment in alignments(tile.block_m))
+                    ms = timed([runner(stage, tile)], tile)
                 except ValueError as error:  # a tile this layout or shared memory cannot take
                     if report:
                         report(tokens, stage, tile, None)
@@ -230,16 +245,22 @@ def tune(config: MoEConfig, token_counts: Iterable[int], *, measure: Measure | N
                     continue
                 if report:
                     report(tokens, stage, tile, ms)
-                previous = timings.setdefault(tile.block_m, {}).get(stage)
-                if previous is None or ms < previous[0]:
-                    timings[tile.block_m][stage] = (ms, tile)
+                timings.setdefault(tile.block_m, {}).setdefault(stage, []).append((ms, tile))
                 if bar:
                     bar.step(f"{stage} {ms:.4f} ms")
         complete = {m: t for m, t in timings.items() if len(t) == 2}
         if not complete:
             raise ValueError(f"no block size has candidate tiles for both GEMMs at M={tokens}")
-        block_m = min(complete, key=lambda m: complete[m]["gemm1"][0] + complete[m]["gemm2"][0])
-        best[tokens] = Backend(block_m, complete[block_m]["gemm1"][1], complete[block_m]["gemm2"][1])
+        pairs = {}  # the finalists of each block size, timed together as the layer runs them
+        for block_m, stages in complete.items():
+            finalists = [[tile for _, tile in sorted(stages[stage], key=lambda timing: timing[0])[:FINALISTS]]
+                         for stage in ("gemm1", "gemm2")]
+            for tile1, tile2 in itertools.product(*finalists):
+                backend = Backend(block_m, tile1, tile2)
+                pairs[backend] = timed([runner("gemm1", tile1), runner("gemm2", tile2)], backend)
+                if report:
+                    report(tokens, "pair", backend, pairs[backend])
+        best[tokens] = min(pairs, key=pairs.get)
         if finished:
             finished(tokens, best[tokens])
     return best

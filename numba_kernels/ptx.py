@@ -359,9 +359,6 @@ def _twin_load_bits(array, offset):
     return np.array(array.reshape(-1)[offset]).view(np.uint32)[()]
 
 
-_pending = threading.local()
-
-
 _arrival_lock = threading.Lock()
 
 
@@ -371,6 +368,9 @@ def _twin_arrive(array, offset):
         old = np.uint32(flat[offset])
         flat[offset] = old + np.uint32(1)
     return old
+
+
+_pending = threading.local()
 
 
 def _twin_async_copies():

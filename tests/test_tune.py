@@ -9,7 +9,7 @@ import pytest
 import moe.oracle
 import moe.tune
 from moe import MoEConfig, QuantScheme, select_backend
-from moe.oracle import activation_finishable
+from moe.oracle import Backend, activation_finishable
 from moe.tune import ProgressBar, candidate_tiles, refine_candidates, save, tune
 from moe.weights import kernel_spec
 from numba_kernels.gemm import GemmTile
@@ -23,10 +23,12 @@ FAST = GemmTile(block_m=16, warps_k=2, slabs_per_warp=1, fused_reduction=True)
 def test_tuner_keeps_the_fastest_tiles_and_the_oracle_reads_them(tmp_path, monkeypatch):
     launched = []
 
-    def measure(replay, tile):  # replays each candidate once (real launches), then a scripted time
+    def measure(replay, subject):  # replays each candidate once (real launches), then a scripted time
         replay()
-        launched.append((tile, len(replay.launchers)))
-        return 1.0 if tile == FAST else 2.0
+        launched.append((subject, len(replay.launchers)))
+        if isinstance(subject, Backend):  # a pair of finalists: the other way round in this script
+            return 1.0 if (subject.gemm1, subject.gemm2) == (SLOW, FAST) else 3.0
+        return 1.0 if subject == FAST else 2.0
 
     finished = {}
     best = tune(CONFIG, [2], measure=measure, candidates=lambda tokens, config, k: [SLOW, FAST], progress=False,
@@ -34,8 +36,12 @@ def test_tuner_keeps_the_fastest_tiles_and_the_oracle_reads_them(tmp_path, monke
     assert finished == best  # each count handed over as soon as it is chosen
     # each tile timed on both routings, each GEMM with the reduction that reads its output:
     # a kernel of its own, or finished by the GEMM (fused_reduction, one launch)
-    assert launched == [(SLOW, 2), (SLOW, 2), (FAST, 1), (FAST, 1)] * 2
-    assert best[2].gemm1 == FAST and best[2].gemm2 == FAST and best[2].block_m == 16
+    assert launched[:8] == [(SLOW, 2), (SLOW, 2), (FAST, 1), (FAST, 1)] * 2
+    # then the finalists (here both tiles of each GEMM) in pairs, both GEMMs in one replay
+    pairs = [(Backend(16, one, two), launches) for one, two, launches in
+             ((FAST, FAST, 2), (FAST, SLOW, 3), (SLOW, FAST, 3), (SLOW, SLOW, 4))]
+    assert sorted(launched[8:], key=repr) == sorted([pair for pair in pairs for _ in range(2)], key=repr)
+    assert best[2] == Backend(16, SLOW, FAST)  # the fastest pair, not the fastest tiles alone
 
     monkeypatch.setattr(moe.oracle, "TUNED_DIR", tmp_path)
     monkeypatch.setattr(moe.tune, "TUNED_DIR", tmp_path)
