@@ -20,11 +20,21 @@ SLOW = GemmTile(block_m=16, warps_k=1, slabs_per_warp=1)
 FAST = GemmTile(block_m=16, warps_k=2, slabs_per_warp=1, fused_reduction=True)
 
 
-def test_tuner_keeps_the_fastest_tiles_and_the_oracle_reads_them(tmp_path, monkeypatch):
+@pytest.fixture
+def empty_tuned_dir(tmp_path, monkeypatch):
+    """The oracle and the tuner on an empty directory of tuned tables (the heuristic's
+    choices until a test saves one, whatever this device tuned)."""
+    monkeypatch.setattr(moe.oracle, "TUNED_DIR", tmp_path)
+    monkeypatch.setattr(moe.tune, "TUNED_DIR", tmp_path)
+    moe.oracle.tuned_table.cache_clear()
+    yield tmp_path
+    moe.oracle.tuned_table.cache_clear()
+
+
+def test_tuner_keeps_the_fastest_tiles_and_the_oracle_reads_them(empty_tuned_dir):
     launched = []
 
-    def measure(replay, subject):  # replays each candidate once (real launches), then a scripted time
-        replay()
+    def measure(replay, subject):  # a scripted time (the launches ran when `replaying` recorded them)
         launched.append((subject, len(replay.launchers)))
         if isinstance(subject, Backend):  # a pair of finalists: the other way round in this script
             return 1.0 if (subject.gemm1, subject.gemm2) == (SLOW, FAST) else 3.0
@@ -43,18 +53,12 @@ def test_tuner_keeps_the_fastest_tiles_and_the_oracle_reads_them(tmp_path, monke
     assert sorted(launched[8:], key=repr) == sorted([pair for pair in pairs for _ in range(2)], key=repr)
     assert best[2] == Backend(16, SLOW, FAST)  # the fastest pair, not the fastest tiles alone
 
-    monkeypatch.setattr(moe.oracle, "TUNED_DIR", tmp_path)
-    monkeypatch.setattr(moe.tune, "TUNED_DIR", tmp_path)
-    moe.oracle.tuned_table.cache_clear()
-    try:
-        path = save(CONFIG, best, device=moe.oracle.device_name())
-        assert path.endswith(f"{moe.oracle.device_name()}.json")
-        assert select_backend(CONFIG, 2, kernel_spec(CONFIG)) == best[2]
-        assert select_backend(CONFIG, 7, kernel_spec(CONFIG)) == best[2]  # largest measured M not above...
-        assert select_backend(CONFIG, 8, kernel_spec(CONFIG)) != best[2]  # ...within TUNED_REACH = 4 times it
-        assert select_backend(CONFIG, 1, kernel_spec(CONFIG)) != best[2]  # below every entry: the heuristic
-    finally:
-        moe.oracle.tuned_table.cache_clear()
+    path = save(CONFIG, best, device=moe.oracle.device_name())
+    assert path.endswith(f"{moe.oracle.device_name()}.json")
+    assert select_backend(CONFIG, 2, kernel_spec(CONFIG)) == best[2]
+    assert select_backend(CONFIG, 7, kernel_spec(CONFIG)) == best[2]  # largest measured M not above...
+    assert select_backend(CONFIG, 8, kernel_spec(CONFIG)) != best[2]  # ...within TUNED_REACH = 4 times it
+    assert select_backend(CONFIG, 1, kernel_spec(CONFIG)) != best[2]  # below every entry: the heuristic
 
 
 @pytest.mark.parametrize("tokens", [1, 16, 256, 4096])
@@ -88,16 +92,7 @@ def test_progress_bar_counts_to_the_total():
     assert "[######]" in stream.getvalue()
 
 
-@pytest.fixture
-def heuristic_only(tmp_path, monkeypatch):
-    """The oracle without a tuned table: the heuristic's choices, whatever this device tuned."""
-    monkeypatch.setattr(moe.oracle, "TUNED_DIR", tmp_path)
-    moe.oracle.tuned_table.cache_clear()
-    yield
-    moe.oracle.tuned_table.cache_clear()
-
-
-def test_refine_times_the_current_choice_and_its_flipped_options(heuristic_only):
+def test_refine_times_the_current_choice_and_its_flipped_options(empty_tuned_dir):
     mixtral = MoEConfig(num_experts=8, top_k=2, hidden_size=4096, intermediate_size=14336, quant=QuantScheme("nvfp4"))
     current = select_backend(mixtral, 1, kernel_spec(mixtral)).gemm1
     tiles = refine_candidates(1, mixtral, mixtral.hidden_size)
