@@ -25,8 +25,7 @@ from typing import Callable, Sequence
 import attrs
 import torch
 
-from numba_kernels import interop
-from numba_kernels.launch import Launcher, LeanLaunchUnavailable, data_pointer, is_array, recording
+from numba_kernels.launch import Launcher, LeanLaunchUnavailable, Replay, data_pointer, is_array, recording
 from numba_kernels.ptx import SIMULATED
 
 
@@ -34,18 +33,16 @@ from numba_kernels.ptx import SIMULATED
 class Program:
     """Recorded launches and where each input goes: (launcher, argument, input) triples."""
 
-    launchers: tuple[Launcher, ...]
+    launches: Replay
     bindings: tuple[tuple[int, int, int], ...]
     output: torch.Tensor
 
     def replay(self, inputs: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """Launch again with `inputs` (laid out like the recorded ones) in their places."""
-        launchers = self.launchers
+        launchers = self.launches.launchers
         for launcher, argument, position in self.bindings:
             launchers[launcher].rebind(argument, inputs[position])
-        stream = interop.launch_stream_handle()
-        for launcher in launchers:
-            launcher.launch(stream)
+        self.launches()
         return self.output
 
 
@@ -112,7 +109,7 @@ def _program(calls, inputs, output) -> Program:
     if unused:
         raise AssertionError(f"inputs {sorted(unused)} reach no kernel argument at their first element; "
                              "a wrapper passes an offset view, which replay cannot re-point")
-    return Program(tuple(Launcher(call) for call in calls), tuple(bindings), output)
+    return Program(Replay(tuple(Launcher(call) for call in calls)), tuple(bindings), output)
 
 
 class ProgramCache:

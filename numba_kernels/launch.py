@@ -252,10 +252,11 @@ class Launcher:
 
 @attrs.frozen(eq=False)
 class Replay:
-    """A function's kernel launches, recorded once (`replaying`) and launched again on
-    torch's current stream as the layer launches its own: a kernel that waits for the
-    previous one starts early. What `moe.tune` and the benchmark time, so that a tile is
-    judged with the launch overlap it gets in the layer."""
+    """Kernel launches, recorded once (`replaying`, or a forward's in `moe.replay`) and
+    launched again on torch's current stream as the layer launches its own: a kernel that
+    waits for the previous one starts early. What the eager fast path runs, and what
+    `moe.tune` and the benchmark time, so that a tile is judged with the launch overlap it
+    gets in the layer."""
 
     launchers: tuple
 

@@ -10,6 +10,7 @@ import torch
 
 from moe import MoEConfig, MoEHooks, QuantScheme, replay
 from moe.reference import reference_moe
+from numba_kernels.launch import Replay
 from test_moe import DEVICE, TINY, _inputs, _layer, _relative_error
 
 
@@ -105,13 +106,13 @@ class _Overwrite:
 def test_a_replay_that_disagrees_with_the_recording_turns_replay_off(monkeypatch):
     monkeypatch.setattr(replay, "_CHECK", replay._Check())
     output = torch.zeros(2, 3)
-    program = replay.Program((_Overwrite(output),), (), output)
+    program = replay.Program(Replay((_Overwrite(output),)), (), output)
     with pytest.warns(RuntimeWarning, match="eager fast path is off"):
         assert replay._checked(program, (), output) is None
     assert torch.equal(output, torch.zeros(2, 3)) and replay._CHECK.failed and not replay._CHECK.pending
     calls = []
     assert replay.record(lambda inputs: calls.append(inputs) or output, (output,), lambda t: False) == (output, None)
     assert calls == [(output,)]
-    agreeing = replay.Program((), (), output)
+    agreeing = replay.Program(Replay(()), (), output)
     monkeypatch.setattr(replay, "_CHECK", replay._Check())
     assert replay._checked(agreeing, (), output) is agreeing
