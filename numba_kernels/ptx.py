@@ -29,6 +29,13 @@ base, j, bytes)``                                            without registers
 ``ldmatrix4(s, i)``      ldmatrix.sync.m8n8.x4.shared.b16    A fragments from shared
 ``wait_for_previous()``  griddepcontrol.wait                 early-launched kernels
 ``release_next()``       griddepcontrol.launch_dependents    let the next kernel start
+``warpgroup_mma(h, n)``  wgmma.mma_async.m64nNk16, A in      Hopper's asynchronous
+(a0..a3, s, i, lbo,      registers, B in shared memory       tensor cores (measured by
+sbo, acc)                (a matrix descriptor)               ``benchmarks/tensor_rates``)
+``warpgroup_zeros(n)``   (constants)                         fresh accumulators
+``warpgroup_fence()``    wgmma.fence                         before a group's first mma
+``warpgroup_commit()``   wgmma.commit_group                  close a group of mma
+``warpgroup_wait[n]()``  wgmma.wait_group n                  all but the newest n groups
 =======================  ==================================  ==========================
 
 The last two are Hopper instructions (sm_90) of *programmatic dependent launch*: a
@@ -59,6 +66,20 @@ per-warp barrier, so it checks the fragment layout exactly as the hardware defin
                            a2 = A[g, 2t+8:2t+10] a3 = A[g+8, 2t+8:2t+10]
     B (16x8,  k-major):    b0 = B[2t:2t+2, g]    b1 = B[2t+8:2t+10, g]
     C, D (16x8, float32):  c0, c1 = C[g, 2t:2t+2]   c2, c3 = C[g+8, 2t:2t+2]
+
+``warpgroup_mma`` (sm_90a) is collective over a warpgroup, the 4 warps of threads 128w to
+128w + 127: D (64 x n, float32) = A (64 x 16) @ B (16 x n) + D. Warp w of the group holds
+rows 16w to 16w + 15 of A and of D, with mma's fragments: a0..a3 as above, and for each
+n8 column tile j accumulators 4j .. 4j + 3 as mma's c0..c3 of that tile (n / 2 a thread).
+B is read by the tensor cores from shared memory, in 8 x 8 *core matrices* of 128
+contiguous bytes (no swizzle): element (k, col) at byte 4 * i + (col // 8) * sbo + (k // 8) *
+lbo + (col % 8) * 16 + (k % 8) * 2 of the uint32 shared array (i a word offset; lbo, sbo and
+the address multiples of 16). The instruction is asynchronous: a thread may go on
+(dequantising the next operands, say) while it runs; ``warpgroup_fence`` must come before
+the first mma of a group whose A or accumulators other instructions wrote, and the
+accumulators may be read, and the shared B overwritten, only after a ``warpgroup_wait``
+that covers it. The twin computes at issue and checks the last rule: it raises if a B tile
+changed between an mma and the wait that covers it.
 
 This is the only module that reaches below Numba's public kernel API (the vector load is
 a Numba ``intrinsic``, like numba-cuda's own cache-hint loads); everything else in
@@ -339,6 +360,107 @@ def _twin_mma(half: str):
     return mma
 
 
+def _warpgroup_state():
+    """(thread in warpgroup, per-warpgroup state) of the calling simulated thread."""
+    thread = threading.current_thread()
+    manager = thread._manager
+    if int(np.prod(manager._block_dim)) % 128:
+        raise ValueError(f"warpgroup_mma needs blocks of whole warpgroups (128 threads), got {manager._block_dim}")
+    group, index = divmod(thread.thread_id, 128)
+    with _warp_lock:
+        groups = manager.__dict__.setdefault("_numba_moe_warpgroups", {})
+        if group not in groups:
+            groups[group] = {"slots": [None] * 128, "barrier": threading.Barrier(128, timeout=120), "result": None,
+                             "open": [], "committed": []}
+    return index, groups[group]
+
+
+def _core_matrix_words(offset: int, lbo: int, sbo: int, n: int) -> np.ndarray:
+    """(16, n) flat word indices and half (0 low, 1 high) of B's elements in shared memory."""
+    k, col = np.meshgrid(np.arange(16), np.arange(n), indexing="ij")
+    byte = 4 * offset + (col // 8) * sbo + (k // 8) * lbo + (col % 8) * 16 + (k % 8) * 2
+    return byte // 4, (byte // 2) % 2
+
+
+def _twin_warpgroup(half: str, n: int):
+    """wgmma m64nNk16 with A from registers (module docstring), computed at issue; each
+    mma remembers the B words it read so that `warpgroup_wait` can check them."""
+    regs = n // 2
+    g, t = np.arange(32) // 4, np.arange(32) % 4
+
+    def warpgroup_mma(a0, a1, a2, a3, shared, offset, lbo, sbo, acc):
+        if (4 * int(offset)) % 16 or int(lbo) % 16 or int(sbo) % 16:
+            raise ValueError("warpgroup_mma: the B tile's address, lbo and sbo must be multiples of 16 bytes")
+        index, state = _warpgroup_state()
+        state["slots"][index] = (a0, a1, a2, a3, tuple(acc))
+        state["barrier"].wait()
+        if index == 0:
+            a, d = np.zeros((64, 16)), np.zeros((64, n))
+            for warp in range(4):
+                lanes = state["slots"][32 * warp: 32 * warp + 32]
+                halves = _halves_to_f64(np.array([s[:4] for s in lanes], dtype=np.uint64), half)  # (32, 4, 2)
+                accs = np.array([s[4] for s in lanes], dtype=np.float64).reshape(32, regs // 4, 4)
+                rows = 16 * warp + g
+                for col in (0, 1):
+                    a[rows, 2 * t + col] = halves[:, 0, col]
+                    a[rows + 8, 2 * t + col] = halves[:, 1, col]
+                    a[rows, 2 * t + 8 + col] = halves[:, 2, col]
+                    a[rows + 8, 2 * t + 8 + col] = halves[:, 3, col]
+                    for j in range(n // 8):
+                        d[rows, 8 * j + 2 * t + col] = accs[:, j, col]
+                        d[rows + 8, 8 * j + 2 * t + col] = accs[:, j, 2 + col]
+            flat = shared.reshape(-1)
+            words, which = _core_matrix_words(int(offset), int(lbo), int(sbo), n)
+            read = np.array(flat[words], np.uint32)
+            b = _halves_to_f64(read, half)[np.arange(16)[:, None], np.arange(n)[None, :], which]
+            state["open"].append((flat, words, read))
+            state["result"] = (a @ b + d).astype(np.float32)
+        state["barrier"].wait()
+        d = state["result"]
+        warp, lane = divmod(index, 32)
+        rows = 16 * warp + lane // 4
+        cols = 2 * (lane % 4) + 8 * np.arange(n // 8)
+        out = np.stack([d[rows, cols], d[rows, cols + 1], d[rows + 8, cols], d[rows + 8, cols + 1]], axis=1)
+        state["barrier"].wait()
+        return tuple(np.float32(x) for x in out.reshape(-1))
+
+    return warpgroup_mma
+
+
+def _twin_warpgroup_commit():
+    index, state = _warpgroup_state()
+    state["barrier"].wait()
+    if index == 0:
+        state["committed"].append(state["open"])
+        state["open"] = []
+    state["barrier"].wait()
+
+
+def _twin_warpgroup_wait(newest: int):
+    def warpgroup_wait():
+        index, state = _warpgroup_state()
+        state["barrier"].wait()
+        if index == 0:
+            overwritten = False
+            while len(state["committed"]) > newest:
+                for flat, words, read in state["committed"].pop(0):
+                    overwritten |= not np.array_equal(flat[words], read)
+            state["overwritten"] = overwritten
+        state["barrier"].wait()
+        if state["overwritten"]:
+            raise RuntimeError("warpgroup_mma: its shared B tile was overwritten before the warpgroup_wait that covers it")
+        state["barrier"].wait()
+
+    return warpgroup_wait
+
+
+def _twin_warpgroup_zeros(n: int):
+    def warpgroup_zeros():
+        return (np.float32(0.0),) * (n // 2)
+
+    return warpgroup_zeros
+
+
 def _twin_load_words(count: int):
     def load(array, offset):
         flat = array.reshape(-1)
@@ -592,6 +714,69 @@ def _gpu_async_copies():
     return copy_async, commit_copies, {n: wait(n) for n in range(8)}
 
 
+def _gpu_warpgroup(half: str, n: int):
+    """warpgroup_mma and warpgroup_zeros for `half` operands and n columns, as intrinsics:
+    the accumulators pass through one inline-asm statement, each tied to its output, so
+    ptxas keeps them in place from one mma to the next (no moves between HGMMA)."""
+    from llvmlite import ir
+    from numba.cuda.extending import intrinsic
+
+    regs, kind = n // 2, "bf16" if half == "bfloat16" else "f16"
+    outputs, a = ",".join(f"${i}" for i in range(regs)), ",".join(f"${2 * regs + i}" for i in range(4))
+    asm = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} {{{outputs}}}, {{{a}}}, ${2 * regs + 4}, 1, 1, 1, 0;"
+    constraints = ",".join(["=f"] * regs + [str(i) for i in range(regs)] + ["r"] * 4 + ["l"])
+    accumulators = types.UniTuple(float32, regs)
+
+    @intrinsic
+    def warpgroup_mma(typingctx, a0, a1, a2, a3, shared, offset, lbo, sbo, acc):
+        _check_flat(shared, offset)
+        if acc != accumulators or not all(isinstance(x, types.Integer) for x in (a0, a1, a2, a3, lbo, sbo)):
+            raise TypeError(f"warpgroup_mma(n={n}) needs 4 integer A words, a shared array, integer offset, lbo and "
+                            f"sbo, and {regs} float32 accumulators (warpgroup_zeros)")
+
+        def codegen(context, builder, sig, args):
+            i64, f32 = ir.IntType(64), ir.FloatType()
+            address = builder.ptrtoint(_shared_pointer(context, builder, sig.args[4], args[4], sig.args[5], args[5]), i64)
+
+            def field(value, shift):  # bits 14 .. 0 of value >> 4, at `shift`
+                return builder.shl(builder.and_(builder.lshr(value, ir.Constant(i64, 4)), ir.Constant(i64, 0x3FFF)),
+                                   ir.Constant(i64, shift))
+
+            lbo_, sbo_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (6, 7))
+            descriptor = builder.or_(builder.or_(field(address, 0), field(lbo_, 16)), field(sbo_, 32))
+            words = [context.cast(builder, args[i], sig.args[i], types.uint32) for i in range(4)]
+            old = [builder.extract_value(args[8], i) for i in range(regs)]
+            fn = ir.FunctionType(ir.LiteralStructType([f32] * regs), [f32] * regs + [ir.IntType(32)] * 4 + [i64])
+            new = builder.call(ir.InlineAsm(fn, asm, constraints, side_effect=True), old + words + [descriptor])
+            return context.make_tuple(builder, accumulators, [builder.extract_value(new, i) for i in range(regs)])
+
+        return accumulators(a0, a1, a2, a3, shared, offset, lbo, sbo, acc), codegen
+
+    @intrinsic
+    def warpgroup_zeros(typingctx):
+        def codegen(context, builder, sig, args):
+            return context.make_tuple(builder, accumulators, [ir.Constant(ir.FloatType(), 0.0)] * regs)
+
+        return accumulators(), codegen
+
+    return warpgroup_mma, warpgroup_zeros
+
+
+def _gpu_statement(asm: str):
+    """An intrinsic () -> None emitting `asm`, kept in place."""
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def statement(typingctx):
+        def codegen(context, builder, sig, args):
+            _statement(asm)(builder)
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
+    return statement
+
+
 @functools.cache
 def hopper() -> bool:
     """Whether the GPU has the sm_90 instructions of programmatic dependent launch (kernels
@@ -662,6 +847,11 @@ ldmatrix4 = _twin_ldmatrix4 if SIMULATED else _gpu_read(
 # kernel before has finished; release_next() lets the kernel after start launching.
 wait_for_previous = _twin_no_op if SIMULATED else _gpu_grid_control("griddepcontrol.wait;")
 release_next = _twin_no_op if SIMULATED else _gpu_grid_control("griddepcontrol.launch_dependents;")
+# Warpgroup mma (module docstring): fence, commit and wait for `warpgroup_mma`'s groups.
+warpgroup_fence = _twin_no_op if SIMULATED else _gpu_statement("wgmma.fence.sync.aligned;")
+warpgroup_commit = _twin_warpgroup_commit if SIMULATED else _gpu_statement("wgmma.commit_group.sync.aligned;")
+warpgroup_wait = {n: _twin_warpgroup_wait(n) if SIMULATED else _gpu_statement(f"wgmma.wait_group.sync.aligned {n};")
+                  for n in range(8)}
 _load4 = load_words[4]
 # and_or(a, mask, bits) = (a & mask) | bits in one instruction (ptxas splits the pair when
 # both constants are immediates): the int4 code -> magic-half step of dequantisation.
@@ -688,6 +878,31 @@ def _helper(half: str, twin, stem: str):
 def mma(half: str):
     """Warp-collective D = A @ B + C, m16n8k16, `half` operands, float32 accumulators."""
     return _helper(half, _twin_mma, "mma")
+
+
+WARPGROUP_COLUMNS = tuple(range(8, 257, 8))
+
+
+def _warpgroup_helpers(half: str, n: int):
+    _check_half(half)
+    if n not in WARPGROUP_COLUMNS:
+        raise ValueError(f"warpgroup mma columns n must be a multiple of 8 from 8 to 256, got {n!r}")
+    if SIMULATED:
+        return _twin_warpgroup(half, n), _twin_warpgroup_zeros(n)
+    return _gpu_warpgroup(half, n)
+
+
+@functools.cache
+def warpgroup_mma(half: str, n: int):
+    """Warpgroup-collective D = A @ B + D, m64nNk16, A in registers, B in shared memory
+    (module docstring), n / 2 float32 accumulators a thread; sm_90a."""
+    return _warpgroup_helpers(half, n)[0]
+
+
+@functools.cache
+def warpgroup_zeros(n: int):
+    """() -> n / 2 float32 zeros: accumulators for `warpgroup_mma(half, n)`."""
+    return _warpgroup_helpers("bfloat16", n)[1]
 
 
 @functools.cache

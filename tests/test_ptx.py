@@ -311,3 +311,96 @@ def test_arrive_counts_every_block_once_and_the_last_reads_every_block_s_stores(
     assert sorted(order.copy_to_host()) == list(range(blocks))
     assert counter.copy_to_host()[0] == blocks
     np.testing.assert_array_equal(total.copy_to_host(), 100 * sum(range(blocks)) + blocks * np.arange(threads))
+
+
+def _warpgroup_operands(rng, n, lbo, sbo):
+    """Random A (64 x 16) and B (16 x n) values; A as each thread's 4 words (warp w rows
+    16w.., mma's a0..a3), B's halves in core matrices at lbo / sbo (the module docstring)."""
+    a_bits, b_bits = _random_half_bits(rng, (64, 16), "bfloat16"), _random_half_bits(rng, (16, n), "bfloat16")
+    thread = np.arange(128)
+    rows, t = 16 * (thread // 32) + thread % 32 // 4, thread % 4
+    a_frag = np.stack([_words(a_bits[rows, 2 * t], a_bits[rows, 2 * t + 1]),
+                       _words(a_bits[rows + 8, 2 * t], a_bits[rows + 8, 2 * t + 1]),
+                       _words(a_bits[rows, 2 * t + 8], a_bits[rows, 2 * t + 9]),
+                       _words(a_bits[rows + 8, 2 * t + 8], a_bits[rows + 8, 2 * t + 9])], axis=1)
+    k, col = np.meshgrid(np.arange(16), np.arange(n), indexing="ij")
+    halves = np.zeros(((n // 8 - 1) * sbo + lbo + 128) // 2, np.uint16)
+    halves[((col // 8) * sbo + (k // 8) * lbo + (col % 8) * 16 + (k % 8) * 2) // 2] = b_bits
+    return a_frag, halves.view(np.uint32), _halves(a_bits, "bfloat16"), _halves(b_bits, "bfloat16")
+
+
+def _warpgroup_result(frags: np.ndarray, n: int) -> np.ndarray:
+    """(128, n / 2) accumulators of a warpgroup -> D (64 x n)."""
+    thread = np.arange(128)
+    rows = (16 * (thread // 32) + thread % 32 // 4)[:, None]
+    cols = 2 * (thread % 4)[:, None] + 8 * np.arange(n // 8)[None, :]
+    frag, d = frags.reshape(128, n // 8, 4), np.zeros((64, n))
+    d[rows, cols], d[rows, cols + 1], d[rows + 8, cols], d[rows + 8, cols + 1] = (frag[:, :, r] for r in range(4))
+    return d
+
+
+def _warpgroup_kernel(n, tile_words, overwrite=False):
+    """Two warpgroups g, two mma each: thread i's first A words on tile g, then its
+    second on tile 1 - g, into the same accumulators; with `overwrite`, a word of the
+    second tile changes before the wait."""
+    mma, zeros, wait_all = ptx.warpgroup_mma("bfloat16", n), ptx.warpgroup_zeros(n), ptx.warpgroup_wait[0]
+    words = 2 * tile_words
+
+    @ptx.kernel
+    def run(a_frag, b_words, out, lbo, sbo):
+        i = cuda.threadIdx.x
+        group = i // 128
+        tiles = cuda.shared.array(words, uint32)
+        for w in range(i, words, cuda.blockDim.x):
+            tiles[w] = uint32(b_words[w])
+        cuda.syncthreads()
+        acc = zeros()
+        ptx.warpgroup_fence()
+        acc = mma(uint32(a_frag[0, i, 0]), uint32(a_frag[0, i, 1]), uint32(a_frag[0, i, 2]), uint32(a_frag[0, i, 3]),
+                  tiles, group * tile_words, lbo, sbo, acc)
+        acc = mma(uint32(a_frag[1, i, 0]), uint32(a_frag[1, i, 1]), uint32(a_frag[1, i, 2]), uint32(a_frag[1, i, 3]),
+                  tiles, (1 - group) * tile_words, lbo, sbo, acc)
+        ptx.warpgroup_commit()
+        if overwrite:
+            tiles[(1 - group) * tile_words] = uint32(0)
+        wait_all()
+        for r in range(n // 2):
+            out[i, r] = acc[r]
+
+    return run
+
+
+def _run_warpgroups(n, lbo, sbo, overwrite=False):
+    rng = np.random.default_rng(n)
+    first, second = ([_warpgroup_operands(rng, n, lbo, sbo) for _ in range(2)] for _ in range(2))
+    tiles = [_warpgroup_operands(rng, n, lbo, sbo) for _ in range(2)]
+    a_frag = np.stack([np.concatenate([first[g][0] for g in range(2)]), np.concatenate([second[g][0] for g in range(2)])])
+    out = np.full((256, n // 2), np.nan, np.float32)
+    _warpgroup_kernel(n, tiles[0][1].size, overwrite)[1, 256](a_frag, np.concatenate([t[1] for t in tiles]), out, lbo, sbo)
+    return out, [first[g][2] @ tiles[g][3] + second[g][2] @ tiles[1 - g][3] for g in range(2)]
+
+
+needs_warpgroups = pytest.mark.skipif(not ptx.SIMULATED and not ptx.hopper(), reason="wgmma needs sm_90a")
+
+
+@needs_warpgroups
+@pytest.mark.parametrize("n, lbo, sbo", [(16, 128, 256), (24, 3 * 128, 128)])
+def test_warpgroup_mma_accumulates_a_times_b_with_b_in_core_matrices(n, lbo, sbo):
+    """Two warpgroups, two B tiles in one shared array: a tile's K halves 128 bytes apart
+    and its 8-column groups 256, or its columns' core matrices side by side and the K
+    halves 128 x n / 8 bytes apart."""
+    out, expected = _run_warpgroups(n, lbo, sbo)
+    for group in range(2):
+        np.testing.assert_allclose(_warpgroup_result(out[128 * group: 128 * group + 128], n), expected[group],
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not ptx.SIMULATED, reason="the twin's check (the hardware just reads stale or new words)")
+def test_warpgroup_twin_rejects_a_b_tile_overwritten_before_its_wait():
+    with pytest.raises(RuntimeError, match="overwritten before the warpgroup_wait"):
+        _run_warpgroups(8, 128, 128, overwrite=True)
+
+
+def test_warpgroup_mma_rejects_column_counts_the_instruction_lacks():
+    with pytest.raises(ValueError, match="multiple of 8 from 8 to 256"):
+        ptx.warpgroup_mma("bfloat16", 12)

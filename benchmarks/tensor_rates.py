@@ -1,0 +1,124 @@
+"""Dense tensor-core ceilings a Numba kernel reaches on this GPU: mma.sync m16n8k16 (the
+prefill GEMM's instruction, a 64 x 64 tile a warp as in its main loop) against Hopper's
+warpgroup mma (`ptx.warpgroup_mma`: A from registers, B from shared memory), each in a
+loop with no memory traffic, beside torch's bf16 matmul. It bounds what the prefill
+GEMMs could gain by moving to wgmma (BENCHMARKS.md, twenty-ninth session).
+
+    python benchmarks/tensor_rates.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+
+import numpy as np
+import torch
+from numba import cuda, float32, uint32
+
+from numba_kernels import ptx
+
+ITERATIONS = 2000
+UNROLL = 4  # warpgroup mma issued between two commits
+
+
+def mma_sync_kernel():
+    """Each warp: 4 x 8 m16n8k16 tiles (a 64 x 64 block of accumulators) a k step."""
+    mma = ptx.mma("bfloat16")
+
+    @ptx.kernel
+    def run(words, out, iterations):
+        lane = cuda.threadIdx.x % 32
+        w = uint32(words[lane])
+        acc = cuda.local.array((4, 8, 4), float32)
+        for i in range(4):
+            for j in range(8):
+                for r in range(4):
+                    acc[i, j, r] = 0.0
+        for _ in range(iterations):
+            for i in range(4):
+                for j in range(8):
+                    acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3] = mma(
+                        w, w ^ uint32(i), w ^ uint32(4 + i), w ^ uint32(8 + i), w ^ uint32(16 + j), w ^ uint32(24 + j),
+                        acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3])
+        total = float32(0.0)
+        for i in range(4):
+            for j in range(8):
+                for r in range(4):
+                    total += acc[i, j, r]
+        out[cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x] = total
+
+    return run, 4 * 8 * 2 * 16 * 8 * 16 / 32  # flops a thread and iteration
+
+
+def warpgroup_kernel(n: int):
+    """Each warpgroup: UNROLL m64nNk16 mma a commit, on one B tile in shared memory."""
+    mma, zeros = ptx.warpgroup_mma("bfloat16", n), ptx.warpgroup_zeros(n)
+    tile_words, wait_all = n * 8, ptx.warpgroup_wait[0]  # 16 x n halves
+
+    @ptx.kernel
+    def run(words, out, iterations):
+        i = cuda.threadIdx.x
+        tile = cuda.shared.array(tile_words, uint32)
+        for w in range(i, tile_words, cuda.blockDim.x):
+            tile[w] = uint32(words[w % 32])
+        cuda.syncthreads()
+        w = uint32(words[i % 32])
+        acc = zeros()
+        ptx.warpgroup_fence()
+        for _ in range(iterations):
+            for _ in range(UNROLL):
+                acc = mma(w, w ^ uint32(1), w ^ uint32(2), w ^ uint32(3), tile, 0, 128, 256, acc)
+            ptx.warpgroup_commit()
+        wait_all()
+        total = float32(0.0)
+        for r in range(n // 2):
+            total += acc[r]
+        out[cuda.blockIdx.x * cuda.blockDim.x + i] = total
+
+    return run, UNROLL * 2 * 64 * n * 16 / 128
+
+
+def tflops(kernel, flops_per_thread: float, blocks: int, threads: int, words) -> float:
+    out = cuda.device_array(blocks * threads, np.float32)
+    kernel[blocks, threads](words, out, 10)  # compile and warm up
+    start, end = cuda.event(), cuda.event()
+    start.record()
+    kernel[blocks, threads](words, out, ITERATIONS)
+    end.record()
+    end.synchronize()
+    return blocks * threads * ITERATIONS * flops_per_thread / cuda.event_elapsed_time(start, end) / 1e9
+
+
+def torch_tflops(size: int = 8192) -> float:
+    x = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        x @ x
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        x @ x
+    end.record()
+    end.synchronize()
+    return 10 * 2 * size**3 / start.elapsed_time(end) / 1e9
+
+
+def main(argv=None) -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
+    if ptx.SIMULATED or not ptx.hopper():
+        raise SystemExit("tensor_rates needs a Hopper GPU (sm_90a)")
+    sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
+    # bf16 bit pairs of modest values, so that the sums stay finite
+    words = cuda.to_device(np.random.default_rng(0).integers(0x3C003C00, 0x3F003F00, 32, dtype=np.uint32))
+    reference = torch_tflops()
+    print(f"{torch.cuda.get_device_name()}, {datetime.date.today()}: torch bf16 matmul 8192^3 {reference:.0f} TFLOP/s")
+    rows = [("mma.sync m16n8k16, 64 x 64 a warp", *mma_sync_kernel())]
+    rows += [(f"warpgroup mma m64n{n}k16, A in registers", *warpgroup_kernel(n)) for n in (64, 128, 256)]
+    for name, kernel, flops in rows:
+        for per_sm, threads in ((1, 256), (2, 256)):
+            rate = tflops(kernel, flops, per_sm * sms, threads, words)
+            print(f"{name:42s} {per_sm} x {threads} threads an SM: {rate:5.0f} TFLOP/s ({rate / reference:.2f}x torch)")
+
+
+if __name__ == "__main__":
+    main()
