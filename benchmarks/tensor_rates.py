@@ -53,8 +53,8 @@ def mma_sync_kernel():
 
 def warpgroup_kernel(n: int):
     """Each warpgroup: UNROLL m64nNk16 mma a commit, on one B tile in shared memory."""
-    mma, zeros = ptx.warpgroup_mma("bfloat16", n), ptx.warpgroup_zeros(n)
-    tile_words, wait_all = n * 8, ptx.warpgroup_wait[0]  # 16 x n halves
+    mma, wait_all = ptx.warpgroup_mma("bfloat16", n), ptx.warpgroup_wait[0]
+    tile_words, regs = n * 8, n // 2  # 16 x n halves
 
     @ptx.kernel
     def run(words, out, iterations):
@@ -64,15 +64,17 @@ def warpgroup_kernel(n: int):
             tile[w] = uint32(words[w % 32])
         cuda.syncthreads()
         w = uint32(words[i % 32])
-        acc = zeros()
+        acc = cuda.local.array(regs, float32)
+        for r in range(regs):
+            acc[r] = float32(0.0)
         ptx.warpgroup_fence()
         for _ in range(iterations):
             for _ in range(UNROLL):
-                acc = mma(w, w ^ uint32(1), w ^ uint32(2), w ^ uint32(3), tile, 0, 128, 256, acc)
+                mma(w, w ^ uint32(1), w ^ uint32(2), w ^ uint32(3), tile, 0, 128, 256, acc, 0)
             ptx.warpgroup_commit()
         wait_all()
         total = float32(0.0)
-        for r in range(n // 2):
+        for r in range(regs):
             total += acc[r]
         out[cuda.blockIdx.x * cuda.blockDim.x + i] = total
 

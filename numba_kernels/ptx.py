@@ -29,10 +29,9 @@ base, j, bytes)``                                            without registers
 ``ldmatrix4(s, i)``      ldmatrix.sync.m8n8.x4.shared.b16    A fragments from shared
 ``wait_for_previous()``  griddepcontrol.wait                 early-launched kernels
 ``release_next()``       griddepcontrol.launch_dependents    let the next kernel start
-``warpgroup_mma(h, n)``  wgmma.mma_async.m64nNk16, A in      Hopper's asynchronous
-(a0..a3, s, i, lbo,      registers, B in shared memory       tensor cores (measured by
-sbo, acc)                (a matrix descriptor)               ``benchmarks/tensor_rates``)
-``warpgroup_zeros(n)``   (constants)                         fresh accumulators
+``warpgroup_mma(h, n)``  wgmma.mma_async.m64nNk16, A in      prefill on Hopper: the
+(a0..a3, s, i, lbo,      registers, B in shared memory       asynchronous tensor cores
+sbo, acc, j)             (a matrix descriptor)               (``GemmTile.warpgroup``)
 ``warpgroup_fence()``    wgmma.fence                         before a group's first mma
 ``warpgroup_commit()``   wgmma.commit_group                  close a group of mma
 ``warpgroup_wait[n]()``  wgmma.wait_group n                  all but the newest n groups
@@ -70,7 +69,8 @@ per-warp barrier, so it checks the fragment layout exactly as the hardware defin
 ``warpgroup_mma`` (sm_90a) is collective over a warpgroup, the 4 warps of threads 128w to
 128w + 127: D (64 x n, float32) = A (64 x 16) @ B (16 x n) + D. Warp w of the group holds
 rows 16w to 16w + 15 of A and of D, with mma's fragments: a0..a3 as above, and for each
-n8 column tile j accumulators 4j .. 4j + 3 as mma's c0..c3 of that tile (n / 2 a thread).
+n8 column tile c accumulators acc[j + 4c .. j + 4c + 3] as mma's c0..c3 of that tile (n / 2
+a thread, from flat element j of a float32 array, updated in place).
 B is read by the tensor cores from shared memory, in 8 x 8 *core matrices* of 128
 contiguous bytes (no swizzle): element (k, col) at byte 4 * i + (col // 8) * sbo + (k // 8) *
 lbo + (col % 8) * 16 + (k % 8) * 2 of the uint32 shared array (i a word offset; lbo, sbo and
@@ -388,11 +388,12 @@ def _twin_warpgroup(half: str, n: int):
     regs = n // 2
     g, t = np.arange(32) // 4, np.arange(32) % 4
 
-    def warpgroup_mma(a0, a1, a2, a3, shared, offset, lbo, sbo, acc):
+    def warpgroup_mma(a0, a1, a2, a3, shared, offset, lbo, sbo, acc, first):
         if (4 * int(offset)) % 16 or int(lbo) % 16 or int(sbo) % 16:
             raise ValueError("warpgroup_mma: the B tile's address, lbo and sbo must be multiples of 16 bytes")
         index, state = _warpgroup_state()
-        state["slots"][index] = (a0, a1, a2, a3, tuple(acc))
+        flat_acc = acc.reshape(-1)
+        state["slots"][index] = (a0, a1, a2, a3, tuple(flat_acc[first:first + regs]))
         state["barrier"].wait()
         if index == 0:
             a, d = np.zeros((64, 16)), np.zeros((64, n))
@@ -422,7 +423,7 @@ def _twin_warpgroup(half: str, n: int):
         cols = 2 * (lane % 4) + 8 * np.arange(n // 8)
         out = np.stack([d[rows, cols], d[rows, cols + 1], d[rows + 8, cols], d[rows + 8, cols + 1]], axis=1)
         state["barrier"].wait()
-        return tuple(np.float32(x) for x in out.reshape(-1))
+        flat_acc[first:first + regs] = out.reshape(-1)
 
     return warpgroup_mma
 
@@ -452,13 +453,6 @@ def _twin_warpgroup_wait(newest: int):
         state["barrier"].wait()
 
     return warpgroup_wait
-
-
-def _twin_warpgroup_zeros(n: int):
-    def warpgroup_zeros():
-        return (np.float32(0.0),) * (n // 2)
-
-    return warpgroup_zeros
 
 
 def _twin_load_words(count: int):
@@ -715,9 +709,10 @@ def _gpu_async_copies():
 
 
 def _gpu_warpgroup(half: str, n: int):
-    """warpgroup_mma and warpgroup_zeros for `half` operands and n columns, as intrinsics:
-    the accumulators pass through one inline-asm statement, each tied to its output, so
-    ptxas keeps them in place from one mma to the next (no moves between HGMMA)."""
+    """warpgroup_mma for `half` operands and n columns, an intrinsic: the accumulators
+    are loaded from their array, pass through one inline-asm statement (each tied to its
+    output) and are stored back; in a local array indexed by constants they are registers,
+    which ptxas keeps in place from one mma to the next (no moves between HGMMA)."""
     from llvmlite import ir
     from numba.cuda.extending import intrinsic
 
@@ -725,41 +720,38 @@ def _gpu_warpgroup(half: str, n: int):
     outputs, a = ",".join(f"${i}" for i in range(regs)), ",".join(f"${2 * regs + i}" for i in range(4))
     asm = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} {{{outputs}}}, {{{a}}}, ${2 * regs + 4}, 1, 1, 1, 0;"
     constraints = ",".join(["=f"] * regs + [str(i) for i in range(regs)] + ["r"] * 4 + ["l"])
-    accumulators = types.UniTuple(float32, regs)
 
     @intrinsic
-    def warpgroup_mma(typingctx, a0, a1, a2, a3, shared, offset, lbo, sbo, acc):
+    def warpgroup_mma(typingctx, a0, a1, a2, a3, shared, offset, lbo, sbo, acc, first):
         _check_flat(shared, offset)
-        if acc != accumulators or not all(isinstance(x, types.Integer) for x in (a0, a1, a2, a3, lbo, sbo)):
-            raise TypeError(f"warpgroup_mma(n={n}) needs 4 integer A words, a shared array, integer offset, lbo and "
-                            f"sbo, and {regs} float32 accumulators (warpgroup_zeros)")
+        _check_flat(acc, first)
+        if acc.dtype != float32 or not all(isinstance(x, types.Integer) for x in (a0, a1, a2, a3, lbo, sbo)):
+            raise TypeError(f"warpgroup_mma needs 4 integer A words, a shared array, integer offset, lbo and sbo, "
+                            f"and a float32 accumulator array with an integer offset, got {acc}")
 
         def codegen(context, builder, sig, args):
             i64, f32 = ir.IntType(64), ir.FloatType()
             address = builder.ptrtoint(_shared_pointer(context, builder, sig.args[4], args[4], sig.args[5], args[5]), i64)
 
-            def field(value, shift):  # bits 14 .. 0 of value >> 4, at `shift`
+            def field(value, shift):  # bits 17 .. 4 of value, at `shift`
                 return builder.shl(builder.and_(builder.lshr(value, ir.Constant(i64, 4)), ir.Constant(i64, 0x3FFF)),
                                    ir.Constant(i64, shift))
 
             lbo_, sbo_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (6, 7))
             descriptor = builder.or_(builder.or_(field(address, 0), field(lbo_, 16)), field(sbo_, 32))
             words = [context.cast(builder, args[i], sig.args[i], types.uint32) for i in range(4)]
-            old = [builder.extract_value(args[8], i) for i in range(regs)]
+            base = _element_pointer(context, builder, sig.args[8], args[8], sig.args[9], args[9])
+            slots = [builder.gep(base, [ir.Constant(i64, i)]) for i in range(regs)]
             fn = ir.FunctionType(ir.LiteralStructType([f32] * regs), [f32] * regs + [ir.IntType(32)] * 4 + [i64])
-            new = builder.call(ir.InlineAsm(fn, asm, constraints, side_effect=True), old + words + [descriptor])
-            return context.make_tuple(builder, accumulators, [builder.extract_value(new, i) for i in range(regs)])
+            new = builder.call(ir.InlineAsm(fn, asm, constraints, side_effect=True),
+                               [builder.load(slot) for slot in slots] + words + [descriptor])
+            for i, slot in enumerate(slots):
+                builder.store(builder.extract_value(new, i), slot)
+            return context.get_dummy_value()
 
-        return accumulators(a0, a1, a2, a3, shared, offset, lbo, sbo, acc), codegen
+        return types.void(a0, a1, a2, a3, shared, offset, lbo, sbo, acc, first), codegen
 
-    @intrinsic
-    def warpgroup_zeros(typingctx):
-        def codegen(context, builder, sig, args):
-            return context.make_tuple(builder, accumulators, [ir.Constant(ir.FloatType(), 0.0)] * regs)
-
-        return accumulators(), codegen
-
-    return warpgroup_mma, warpgroup_zeros
+    return warpgroup_mma
 
 
 def _gpu_statement(asm: str):
@@ -883,26 +875,14 @@ def mma(half: str):
 WARPGROUP_COLUMNS = tuple(range(8, 257, 8))
 
 
-def _warpgroup_helpers(half: str, n: int):
-    _check_half(half)
-    if n not in WARPGROUP_COLUMNS:
-        raise ValueError(f"warpgroup mma columns n must be a multiple of 8 from 8 to 256, got {n!r}")
-    if SIMULATED:
-        return _twin_warpgroup(half, n), _twin_warpgroup_zeros(n)
-    return _gpu_warpgroup(half, n)
-
-
 @functools.cache
 def warpgroup_mma(half: str, n: int):
     """Warpgroup-collective D = A @ B + D, m64nNk16, A in registers, B in shared memory
-    (module docstring), n / 2 float32 accumulators a thread; sm_90a."""
-    return _warpgroup_helpers(half, n)[0]
-
-
-@functools.cache
-def warpgroup_zeros(n: int):
-    """() -> n / 2 float32 zeros: accumulators for `warpgroup_mma(half, n)`."""
-    return _warpgroup_helpers("bfloat16", n)[1]
+    (module docstring), n / 2 float32 accumulators a thread, in place; sm_90a."""
+    _check_half(half)
+    if n not in WARPGROUP_COLUMNS:
+        raise ValueError(f"warpgroup mma columns n must be a multiple of 8 from 8 to 256, got {n!r}")
+    return _twin_warpgroup(half, n) if SIMULATED else _gpu_warpgroup(half, n)
 
 
 @functools.cache

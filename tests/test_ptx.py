@@ -4,7 +4,7 @@ real instructions, under the simulator the Python twins (so both agree with one 
 import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
-from numba import cuda, int32, uint32
+from numba import cuda, float32, int32, uint32
 
 from numba_kernels import ptx
 from numba_kernels.ptx import round_to_half_bits
@@ -343,8 +343,8 @@ def _warpgroup_kernel(n, tile_words, overwrite=False):
     """Two warpgroups g, two mma each: thread i's first A words on tile g, then its
     second on tile 1 - g, into the same accumulators; with `overwrite`, a word of the
     second tile changes before the wait."""
-    mma, zeros, wait_all = ptx.warpgroup_mma("bfloat16", n), ptx.warpgroup_zeros(n), ptx.warpgroup_wait[0]
-    words = 2 * tile_words
+    mma, wait_all = ptx.warpgroup_mma("bfloat16", n), ptx.warpgroup_wait[0]
+    words, regs, acc_size = 2 * tile_words, n // 2, n // 2 + 1  # accumulators from element 1: an offset
 
     @ptx.kernel
     def run(a_frag, b_words, out, lbo, sbo):
@@ -354,18 +354,20 @@ def _warpgroup_kernel(n, tile_words, overwrite=False):
         for w in range(i, words, cuda.blockDim.x):
             tiles[w] = uint32(b_words[w])
         cuda.syncthreads()
-        acc = zeros()
+        acc = cuda.local.array(acc_size, float32)
+        for r in range(acc_size):
+            acc[r] = float32(0.0)
         ptx.warpgroup_fence()
-        acc = mma(uint32(a_frag[0, i, 0]), uint32(a_frag[0, i, 1]), uint32(a_frag[0, i, 2]), uint32(a_frag[0, i, 3]),
-                  tiles, group * tile_words, lbo, sbo, acc)
-        acc = mma(uint32(a_frag[1, i, 0]), uint32(a_frag[1, i, 1]), uint32(a_frag[1, i, 2]), uint32(a_frag[1, i, 3]),
-                  tiles, (1 - group) * tile_words, lbo, sbo, acc)
+        mma(uint32(a_frag[0, i, 0]), uint32(a_frag[0, i, 1]), uint32(a_frag[0, i, 2]), uint32(a_frag[0, i, 3]),
+            tiles, group * tile_words, lbo, sbo, acc, 1)
+        mma(uint32(a_frag[1, i, 0]), uint32(a_frag[1, i, 1]), uint32(a_frag[1, i, 2]), uint32(a_frag[1, i, 3]),
+            tiles, (1 - group) * tile_words, lbo, sbo, acc, 1)
         ptx.warpgroup_commit()
         if overwrite:
             tiles[(1 - group) * tile_words] = uint32(0)
         wait_all()
-        for r in range(n // 2):
-            out[i, r] = acc[r]
+        for r in range(regs):
+            out[i, r] = acc[r + 1]
 
     return run
 
@@ -384,11 +386,11 @@ needs_warpgroups = pytest.mark.skipif(not ptx.SIMULATED and not ptx.hopper(), re
 
 
 @needs_warpgroups
-@pytest.mark.parametrize("n, lbo, sbo", [(16, 128, 256), (24, 3 * 128, 128)])
+@pytest.mark.parametrize("n, lbo, sbo", [(16, 128, 256), (24, 3 * 128, 128), (16, 144, 288)])
 def test_warpgroup_mma_accumulates_a_times_b_with_b_in_core_matrices(n, lbo, sbo):
     """Two warpgroups, two B tiles in one shared array: a tile's K halves 128 bytes apart
-    and its 8-column groups 256, or its columns' core matrices side by side and the K
-    halves 128 x n / 8 bytes apart."""
+    and its 8-column groups 256, its columns' core matrices side by side and the K halves
+    128 x n / 8 bytes apart, or padded core matrices (the warpgroup GEMM tile's layout)."""
     out, expected = _run_warpgroups(n, lbo, sbo)
     for group in range(2):
         np.testing.assert_allclose(_warpgroup_result(out[128 * group: 128 * group + 128], n), expected[group],
