@@ -29,15 +29,16 @@ base, j, bytes)``                                            without registers
 ``ldmatrix4(s, i)``      ldmatrix.sync.m8n8.x4.shared.b16    A fragments from shared
 ``wait_for_previous()``  griddepcontrol.wait                 early-launched kernels
 ``release_next()``       griddepcontrol.launch_dependents    let the next kernel start
-``warpgroup_mma(h, n)``  wgmma.mma_async.m64nNk16, A in      prefill on Hopper: the
-(a0..a3, s, i, lbo,      registers, B in shared memory       asynchronous tensor cores
-sbo, acc, j)             (a matrix descriptor)               (``GemmTile.warpgroup``)
+``warpgroup_mma(h, n)``  wgmma.mma_async.m64nNk16, A in      Hopper's asynchronous
+(a0..a3, s, i, lbo,      registers, B in shared memory       tensor cores (measured by
+sbo, acc, j)             (a matrix descriptor)               ``benchmarks/tensor_rates``)
 ``warpgroup_fence()``    wgmma.fence                         before a group's first mma
 ``warpgroup_commit()``   wgmma.commit_group                  close a group of mma
 ``warpgroup_wait[n]()``  wgmma.wait_group n                  all but the newest n groups
 =======================  ==================================  ==========================
 
-The last two are Hopper instructions (sm_90) of *programmatic dependent launch*: a
+``wait_for_previous`` and ``release_next`` are Hopper instructions (sm_90) of
+*programmatic dependent launch*: a
 kernel launched with that attribute (`launch.Launcher`) may start while the kernel
 before it still runs, once that one's CTAs have all called ``release_next`` or exited;
 ``wait_for_previous`` then blocks until the earlier kernel has finished and its writes
@@ -78,7 +79,11 @@ the address multiples of 16). The instruction is asynchronous: a thread may go o
 (dequantising the next operands, say) while it runs; ``warpgroup_fence`` must come before
 the first mma of a group whose A or accumulators other instructions wrote, and the
 accumulators may be read, and the shared B overwritten, only after a ``warpgroup_wait``
-that covers it. The twin computes at issue and checks the last rule: it raises if a B tile
+that covers it. ptxas enforces the register half of that rule itself, bluntly: where an
+instruction writes registers that an mma in flight may read (the next slab's A fragments
+decoded into registers an earlier mma reads), it serialises every wgmma of the kernel
+(warning C7513), so wait for the older group (``warpgroup_wait[1]``) before overwriting
+them. The twin computes at issue and checks the shared half: it raises if a B tile
 changed between an mma and the wait that covers it.
 
 This is the only module that reaches below Numba's public kernel API (the vector load is
