@@ -46,15 +46,6 @@ The operands come from one of two places, a tile option:
   integer work of dequantisation fills the tensor pipe's gaps (on the H200 the two
   Mixtral GEMMs at M = 4096 went from 9.8 to 8.6 ms with 64-feature stages).
 
-With `warpgroup` (Hopper) the four warps of a prefill CTA multiply as one warpgroup
-(`ptx.warpgroup_mma`): each still decodes its own chunk's slab, and its four 16-feature
-A fragments (pairs of n8 B fragments, as when swapped) feed four m64nNk16 wgmma, whose 64
-rows are 16 features of each warp's chunk and whose N columns are the block's slots, read
-by the tensor cores from the stage buffer (the activations staged as core matrices, not
-padded rows; no ldmatrix). The mma run asynchronously: a warp decodes the next slab while
-the tensor cores multiply the last, and waits for them once a stage, before its buffer is
-refilled.
-
 The first warp of each `warps_k` team writes the tile: half outputs (one K split) or
 float32 partials (split_k, slots, N) that the next kernel sums in a fixed order
 (deterministic, no atomics). A prefill gemm1 may instead finish the activation itself
@@ -95,13 +86,6 @@ def _positive_power_of_two(instance, attribute, value):
         raise ValueError(f"{attribute.name} must be a positive power of two, got {value!r}")
 
 
-# A warpgroup tile's stage buffer holds each slab's activations as wgmma's B operand: per
-# 8 slots, two 8 x 8 core matrices (K halves) of 32 words, CORE_MATRIX_SPAN words apart,
-# the next 8 slots CORE_GROUP_SPAN words on (`ptx` docstring). Unpadded: padding that kept
-# a row's consecutive copies in different banks (36 / 72 words) was 2 to 4 % slower.
-CORE_MATRIX_SPAN, CORE_GROUP_SPAN = 32, 64
-
-
 @attrs.frozen
 class GemmTile:
     """Tile configuration of the grouped GEMM (compile-time constants).
@@ -136,10 +120,6 @@ class GemmTile:
                     only (an expert's last block) runs a copy of the main loop without
                     them, one copy per count of tiles in use (fewer mma where experts get a
                     few blocks each, but about twice the code to compile).
-    warpgroup:      prefill on Hopper (sm_90a), warps_n = 4 and one warp along rows and K:
-                    the CTA's warps multiply as one warpgroup with wgmma, the slots as its
-                    N (block_m <= 64: 2 x block_m accumulators a thread), asynchronously
-                    beside the next slab's dequantisation (module docstring).
     """
 
     block_m: int = attrs.field(default=16, validator=_positive_power_of_two)
@@ -156,7 +136,6 @@ class GemmTile:
     steady_loop: bool = False
     chunks_first: bool = False
     trim_padding: bool = False
-    warpgroup: bool = False
 
     def __attrs_post_init__(self):
         if self.steady_loop and self.a_in_shared:
@@ -169,10 +148,6 @@ class GemmTile:
                 raise ValueError(f"swap_ab takes blocks of 8 slots, warps_m = 1 and no a_in_shared, got {self}")
         elif self.block_m < 16 or self.block_m % (16 * self.warps_m):
             raise ValueError(f"block_m ({self.block_m}) must be a multiple of 16 * warps_m ({16 * self.warps_m})")
-        if self.warpgroup and not (self.a_in_shared and self.warps_n == 4 and self.warps_m == 1 and self.warps_k == 1
-                                   and self.block_m <= 64 and not self.trim_padding):
-            raise ValueError(f"warpgroup takes a prefill tile (a_in_shared) of one warpgroup, warps_n = 4 and "
-                             f"warps_m = warps_k = 1, block_m <= 64 and no trim_padding, got {self}")
         if self.threads > 1024:
             raise ValueError(f"a tile of {self.threads} threads exceeds the 1024 a CTA may have")
 
@@ -184,7 +159,7 @@ class GemmTile:
     def trimmable(self) -> bool:
         """Whether `trim_padding` applies: a prefill tile whose one warp along the rows has
         two m tiles or more."""
-        return self.a_in_shared and self.warps_m == 1 and self.block_m >= 32 and not self.warpgroup
+        return self.a_in_shared and self.warps_m == 1 and self.block_m >= 32
 
     @property
     def block_n(self) -> int:
@@ -199,17 +174,6 @@ class GemmTile:
         """Words per activation row of a prefill stage buffer: the stage's K as half pairs,
         padded by 4 so that `ldmatrix`'s 8 rows x 16 bytes hit 32 banks."""
         return self.stage_slabs * SLAB_K // 2 + 4
-
-    @property
-    def slab_words(self) -> int:
-        """warpgroup: words of one slab's activations in a stage buffer, block_m / 8 groups
-        of two core matrices."""
-        return self.block_m // 8 * CORE_GROUP_SPAN
-
-    @property
-    def stage_activation_words(self) -> int:
-        """Words of one stage buffer's activations: padded rows, or warpgroup slabs."""
-        return self.stage_slabs * self.slab_words if self.warpgroup else self.block_m * self.row_words
 
     def grid(self, num_blocks: int, n: int) -> tuple[int, int, int]:
         """(x, y, z) CTAs: token blocks and output chunks in `chunks_first` order, K splits."""
@@ -228,7 +192,7 @@ def paired_activation(tile: GemmTile, activation: Activation, n: int) -> bool:
     the other half."""
     half_n = tile.warps_n // 2
     exchange_fits = 16 * tile.warps_n <= tile.stages * tile.row_words  # the exchange's words per block row
-    return (tile.a_in_shared and not tile.warpgroup and tile.split_k == 1 and half_n >= 1 and gate_up_halves(activation)
+    return (tile.a_in_shared and tile.split_k == 1 and half_n >= 1 and gate_up_halves(activation)
             and (n // 2) % (CHUNK_N * half_n) == 0 and exchange_fits)
 
 
@@ -243,7 +207,7 @@ def stage_buffer_bytes(spec: QuantSpec, n: int, k: int, half: str, tile: GemmTil
     if not tile.a_in_shared:
         return 0
     staged = staged_weights(spec, n, k, half, tile.warps_n, tile.stage_slabs, tile.threads)
-    return 4 * tile.stages * (tile.stage_activation_words + staged.stage_words)
+    return 4 * tile.stages * (tile.block_m * tile.row_words + staged.stage_words)
 
 
 @functools.cache
@@ -276,13 +240,10 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     early_weights = alignment_ready and not a_in_shared  # prefill's first copies include activations
     warps_n, warps_k, depth, stage_slabs = tile.warps_n, tile.warps_k, tile.slabs_per_warp, tile.stage_slabs
     warp_rows = block_m // tile.warps_m
-    swap_ab, warpgroup = tile.swap_ab, tile.warpgroup
+    swap_ab = tile.swap_ab
     m_tiles = 1 if swap_ab else warp_rows // 16  # 16-row A tiles of activations (8-slot B tile when swapped)
-    # Accumulator tiles (i, j): (m tile, n8 tile of features), or (16 features, 8 slots)
-    # where the weights are the A operand (swapped, warpgroup: block_m / 8 tiles of 8 slots).
-    transposed = swap_ab or warpgroup
-    acc_i, acc_j = (CHUNK_N // 16, block_m // 8) if transposed else (m_tiles, 8)
-    slot_tiles = acc_j if transposed else m_tiles  # the epilogue's tiles of slots
+    # Accumulator tiles (i, j): (m tile, n8 tile of features), or (16 features, the 8 slots) swapped.
+    acc_i, acc_j = (CHUNK_N // 16, 1) if swap_ab else (m_tiles, 8)
     row_halves = 1 if swap_ab else 2  # activation rows a lane reads per m tile: g (and g + 8)
     teams = warps_n * tile.warps_m  # warps that own distinct output tiles
     total_slabs = -(-k // SLAB_K)
@@ -318,9 +279,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     a_units_per_row = stage_slabs * SLAB_K // 8
     a_units = block_m * a_units_per_row
     a_copies = -(-a_units // threads)
-    a_buffer_words = tile.stage_activation_words
-    a_stage_words = stages * a_buffer_words  # the activation stage buffers, all stages
-    slab_words = tile.slab_words
+    a_stage_words = stages * block_m * row_words  # the activation stage buffers, all stages
     staged = None
     if a_in_shared:
         if not pair_loads:
@@ -535,11 +494,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                 slot = slots[m]
                 row = slot // rows_div if slot < num_slots else 0  # padding rows read row 0
                 a_source[i] = uint32(row) * uint32(pairs_per_row) + 4 * c
-                if warpgroup:  # slab c // 2, core matrix (m // 8, c % 2), row m % 8 of it
-                    a_target[i] = ((c // uint32(2)) * uint32(slab_words) + (m // uint32(8)) * uint32(CORE_GROUP_SPAN)
-                                   + (c % uint32(2)) * uint32(CORE_MATRIX_SPAN) + (m % uint32(8)) * uint32(4))
-                else:
-                    a_target[i] = m * uint32(row_words) + 4 * c
+                a_target[i] = m * uint32(row_words) + 4 * c
                 a_slab[i] = c // uint32(2)
 
     def activation_copier(checked: bool):
@@ -568,7 +523,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         """Start the copies of `stage` into `buffer`: one commit group, empty past the end."""
         if stage < end_slab:
             remaining = uint32(end_slab - stage)
-            a_base, w_base = uint32(buffer) * uint32(a_buffer_words), uint32(buffer) * uint32(stage_words)
+            a_base, w_base = uint32(buffer) * uint32(block_m * row_words), uint32(buffer) * uint32(stage_words)
             if remaining >= uint32(stage_slabs):
                 copy_activations(act, stage, remaining, a_source, a_target, a_slab, a_tiles, a_base)
                 copy_weights(weights, w_source, stage, w_tiles, w_base, thread)
@@ -597,7 +552,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
             decoded from the shared words of its chunk `read_chunk` (`a_lane`: the word of
             this lane's ldmatrix row in a stage buffer)."""
             fetch_weights(w_tiles, buffer, local_slab, read_chunk, lane, raw)
-            first = buffer * a_buffer_words + a_lane + local_slab * (SLAB_K // 2)
+            first = buffer * (block_m * row_words) + a_lane + local_slab * (SLAB_K // 2)
             for mt in range(tiles):
                 a_words[mt, 0], a_words[mt, 1], a_words[mt, 2], a_words[mt, 3] = ldmatrix4(
                     a_tiles, first + mt * (16 * row_words))
@@ -652,82 +607,6 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
 
         return run
 
-    def warpgroup_loop():
-        """run(...): the prefill main loop of a warpgroup tile (same arguments as
-        `prefill_loop`'s): per slab, this warp's chunk decoded into one register slot
-        while the tensor cores multiply the other's; one wait a stage, before its buffer
-        is refilled (the mma read it until then)."""
-        mma_columns = ptx.warpgroup_mma(half, block_m)
-        wait_mma, wait_older_mma = ptx.warpgroup_wait[0], ptx.warpgroup_wait[1]
-        regs = block_m // 2
-
-        @ptx.device
-        def decode_slab(weights, expert, slab, local_slab, read_chunk, chunk, lane, w_tiles, buffer, raw, params,
-                        frags):
-            fetch_weights(w_tiles, buffer, local_slab, read_chunk, lane, raw)
-            decode(raw, params, weights, expert, slab, chunk, lane, frags)
-
-        @ptx.device
-        def multiply_warpgroup(frags, a_tiles, slab_offset, acc):
-            """acc += W @ A of one slab: four mma of 16 features of each warp's chunk (A:
-            two n8 B fragments, interleaved as in `multiply`'s swapped case)."""
-            ptx.warpgroup_fence()  # the fragments were just written by this warp
-            for j in range(CHUNK_N // 16):
-                mma_columns(frags[4 * j], frags[4 * j + 2], frags[4 * j + 1], frags[4 * j + 3], a_tiles, slab_offset,
-                            4 * CORE_MATRIX_SPAN, 4 * CORE_GROUP_SPAN, acc, j * regs)
-
-        def slab_step(d: int):
-            """Step d of a stage: start the mma of slab d (slot d % 2), wait for those of
-            slab d - 1, whose slot then takes slab d + 1 (for the last step: the next
-            stage's first slab, once it has landed). ptxas serialises every wgmma whose A
-            registers other instructions write while an earlier one may still read them:
-            the wait before the decode is what lets it keep them in flight."""
-            slot, free, last = d % 2, (d + 1) % 2, d + 1 == depth
-
-            @ptx.device
-            def step(weights, expert, stage, read_chunk, chunk, lane, a_tiles, w_tiles, buffer, after, raw, params,
-                     frag_slots, acc):
-                if last:
-                    wait_copies()
-                    cuda.syncthreads()
-                multiply_warpgroup(frag_slots[slot], a_tiles, buffer * uint32(a_buffer_words) + uint32(d * slab_words), acc)
-                ptx.warpgroup_commit()
-                wait_older_mma()
-                if last:
-                    decode_slab(weights, expert, stage + stage_slabs, 0, read_chunk, chunk, lane, w_tiles, after, raw,
-                                params, frag_slots[free])
-                else:
-                    decode_slab(weights, expert, stage + d + 1, d + 1, read_chunk, chunk, lane, w_tiles, buffer, raw,
-                                params, frag_slots[free])
-
-            return step
-
-        multiply_stage = functools.reduce(then, [slab_step(d) for d in range(depth)])
-
-        @ptx.device
-        def run(act, weights, expert, start_slab, end_slab, own, read_chunk, chunk, lane, a_lane, a_tiles, w_tiles,
-                raw, params, frag_slots, a_slots, acc, a_source, a_target, a_slab, w_source, tid):
-            decode_slab(weights, expert, start_slab, 0, read_chunk, chunk, lane, w_tiles, 0, raw, params, frag_slots[0])
-            stage, buffer = start_slab, uint32(0)
-            while stage < end_slab:
-                after = uint32(buffer + 1) if buffer < uint32(stages - 1) else uint32(0)
-                multiply_stage(weights, expert, stage, read_chunk, chunk, lane, a_tiles, w_tiles, buffer, after, raw,
-                               params, frag_slots, acc)
-                wait_mma()  # the stage's last mma have read `buffer`: it may be refilled
-                issue_stage(act, weights, uint32(stage + stages * stage_slabs), end_slab, a_source, a_target, a_slab,
-                            w_source, a_tiles, w_tiles, buffer, tid)
-                if depth % 2:
-                    for i in range(16):
-                        frag_slots[0, i] = frag_slots[1, i]
-                stage = uint32(stage + stage_slabs)
-                buffer = after
-
-        @ptx.device
-        def only(used, *args):
-            run(*args)
-
-        return only
-
     def loop_choice(tiles: int, fewer):
         """run_prefill(used, ...): the loop over `tiles` m tiles if `used` is that many,
         else `fewer` (the choice for fewer tiles; None: this loop whatever `used` is)."""
@@ -752,11 +631,8 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     # without them, one copy per count of tiles in use: no branch inside a loop (a branch
     # per m tile in the loop made every prefill GEMM slower, BENCHMARKS.md).
     trims = tile.trim_padding
-    if warpgroup:
-        run_prefill = warpgroup_loop()
-    else:
-        run_prefill = functools.reduce(lambda fewer, tiles: loop_choice(tiles, fewer),
-                                       range(1 if trims else m_tiles, m_tiles + 1), None)
+    run_prefill = functools.reduce(lambda fewer, tiles: loop_choice(tiles, fewer),
+                                   range(1 if trims else m_tiles, m_tiles + 1), None)
 
     @ptx.device
     def tiles_in_use(slots, num_slots):
@@ -812,52 +688,6 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
 
     (hand_over_gate, finish_gate), (hand_over_up, finish_up) = pair_half(False), pair_half(True)
 
-    # -- warpgroup: the output tile leaves through the idle stage buffers --------------------------
-
-    staged_out = warpgroup and pair_stores
-    out_row_words = CHUNK_N * warps_n // 2 + 4  # one slot's outputs as half pairs, padded by 4 words
-    if staged_out and 16 * out_row_words > stages * (a_buffer_words + stage_words):
-        raise ValueError(f"{tile}: its stage buffers cannot hold 16 output rows of {CHUNK_N * warps_n} halves for the "
-                         f"epilogue: use more slabs or stages")
-
-    def store_pass(p: int):
-        """warpgroup: out[slot, the CTA's features] = acc * weight for slots 16p to 16p + 15:
-        the warps write their accumulators (a feature's slots, not a slot's features) into
-        the idle stage buffers as rows of halves, then every thread stores whole rows'
-        pairs, so that a warp's stores are 128 contiguous bytes instead of 16-byte pieces.
-        Built per pass in Python and chained (`then`), so every accumulator index is a
-        constant (a rolled loop over the passes put `acc` in local memory)."""
-
-        @ptx.device
-        def store_slots(acc, out, out_halves, out_words, slots, num_slots, topk_weights, multiplier, column, warp,
-                        lane, tid):
-            g, t = lane // 4, lane % 4
-            cuda.syncthreads()  # no thread reads the buffers any more (the loop, or the last pass)
-            for q in range(2):
-                for r in range(2):
-                    row = 8 * q + 2 * t + r
-                    slot = slots[16 * p + row]
-                    weight = multiplier
-                    if mul_routed_weight and slot < num_slots:
-                        weight *= topk_weights[slot]
-                    for j in range(CHUNK_N // 16):
-                        for h in range(2):
-                            feature = warp * CHUNK_N + 16 * j + 8 * h + g
-                            out_halves[2 * row * out_row_words + feature] = int16(
-                                to_half(acc[j, 2 * p + q, 2 * h + r] * weight))
-            cuda.syncthreads()
-            for i in range(16 * (out_row_words - 4) // threads):
-                unit = tid + i * threads
-                row, word = unit // (out_row_words - 4), unit % (out_row_words - 4)
-                slot = slots[16 * p + row]
-                col = uint32(column * (CHUNK_N * warps_n) + 2 * word)
-                if slot < num_slots and col < uint32(size_n):
-                    out[slot, col // uint32(2)] = int32(out_words[row * out_row_words + word])
-
-        return store_slots
-
-    store_through_shared = functools.reduce(then, [store_pass(p) for p in range(block_m // 16)]) if staged_out else None
-
     @ptx.device
     def store(out, split, slot, col, value):
         if col < size_n:
@@ -907,7 +737,6 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         if a_in_shared:
             stage_buffers = cuda.shared.array(0, uint32)  # dynamic (stage_buffer_bytes), 16-byte aligned
             a_tiles = stage_buffers[:a_stage_words]  # stages x block_m x row_words, by flat offsets
-            out_halves = cuda.shared.array(0, int16)  # the same buffers as halves (warpgroup's epilogue)
             w_tiles = stage_buffers[a_stage_words:]  # stages x stage_words
 
         acc = cuda.local.array((acc_i, acc_j, 4), float32)
@@ -1029,22 +858,19 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                 else:
                     finish_gate(acc, a_tiles, reduced, slots, num_slots, team + half_n, gate_chunk, multiplier,
                                 first_row, lane)
-        elif staged_out:
-            store_through_shared(acc, out, out_halves, stage_buffers, slots, num_slots, topk_weights, multiplier, column,
-                                 warp, lane, tid)
         elif wk == 0:
-            for mt in range(slot_tiles):
-                for r in range(2):  # this lane's slots: rows g and g + 8 of the m tile, or 2t, 2t + 1 of 8 transposed
-                    slot = slots[8 * mt + 2 * t + r] if transposed else slots[first_row + 16 * mt + g + 8 * r]
+            for mt in range(m_tiles):
+                for r in range(2):  # this lane's slots: rows g and g + 8 of the m tile, or slots 2t, 2t + 1 swapped
+                    slot = slots[2 * t + r] if swap_ab else slots[first_row + 16 * mt + g + 8 * r]
                     if slot < num_slots:
                         weight = multiplier
                         if mul_routed_weight:
                             weight *= topk_weights[slot]
-                        if transposed:
+                        if swap_ab:
                             for j in range(acc_i):
                                 for h in range(2):
                                     col = chunk * CHUNK_N + 16 * j + 8 * h + g
-                                    store(out, split, slot, col, acc[j, mt, 2 * h + r] * weight)
+                                    store(out, split, slot, col, acc[j, 0, 2 * h + r] * weight)
                         else:
                             for nt in range(8):
                                 col = chunk * CHUNK_N + 8 * nt + 2 * t
@@ -1064,7 +890,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
 def stores_pairs(tile: GemmTile, n: int, partial_output: bool) -> bool:
     """Whether the kernel writes half outputs two columns per store, taking `out` as an
     int32 (rows, N / 2) view: halves, N even, and a lane holding adjacent columns (not
-    swap_ab; a warpgroup tile's pairs leave through shared memory)."""
+    swap_ab)."""
     return not partial_output and not tile.swap_ab and n % 2 == 0
 
 
@@ -1151,8 +977,6 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
             out = interop.empty(expected, torch.float32 if partial_output else act.dtype)
         out = interop.check_tensor("out", out, dtype=torch.float32 if partial_output else act.dtype, shape=expected)
     pairs = pair_loads(k, weights.spec)
-    if tile.warpgroup and not ptx.SIMULATED and not ptx.hopper():
-        raise ValueError("tile.warpgroup needs a Hopper GPU (wgmma, sm_90a): use a tile without it")
     if tile.a_in_shared:
         if not prefill_supported(weights.spec, n, k, half, tile):
             raise ValueError(f"tile.a_in_shared: {weights.spec.name} weights of shape {(n, k)} cannot be staged "

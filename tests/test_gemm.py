@@ -153,22 +153,6 @@ def test_prefill_pipeline_at_every_group_size_code_width_and_stage_depth(spec, h
     assert_close(*run_case(spec, (2, 80, 96), tokens=3, top_k=2, tile=tile, half=half))
 
 
-WARPGROUP = GemmTile(block_m=16, warps_n=4, warps_k=1, slabs_per_warp=2, stages=2, a_in_shared=True, warpgroup=True)
-
-
-@pytest.mark.parametrize("spec, half, tile", [
-    (formats.native(4, 32, zero_points=True), torch.bfloat16, WARPGROUP),
-    (formats.native(fp4=True), torch.float16, attrs.evolve(WARPGROUP, block_m=32, slabs_per_warp=1, stages=3)),
-    (formats.native(8, 64, half="float16"), torch.float16, attrs.evolve(WARPGROUP, slabs_per_warp=4)),
-])
-def test_warpgroup_tiles_multiply_each_chunk_s_slab_with_the_block_s_slots(spec, half, tile):
-    """wgmma's operands: four warps' decoded 16-feature fragments against the slots staged
-    as core matrices; 2 or 3 buffers, a partial last stage (K = 96), N = 240 (the last
-    chunk part past N), a block with padding slots."""
-    assert prefill_supported(spec, 240, 96, interop.HALF_NAMES[half], tile)
-    assert_close(*run_case(spec, (2, 240, 96), tokens=5, top_k=2, tile=tile, half=half))
-
-
 @pytest.mark.parametrize("tile", [PREFILL, GemmTile(block_m=64, warps_k=1, slabs_per_warp=2, stages=2,
                                                    a_in_shared=True, trim_padding=True)])
 def test_prefill_warps_of_several_row_tiles_with_padding_at_the_tail(tile):
@@ -398,11 +382,6 @@ def test_tile_parameters_are_validated():
         GemmTile(block_m=8, a_in_shared=True, swap_ab=True)
     with pytest.raises(ValueError, match="for decode tiles"):
         GemmTile(block_m=16, a_in_shared=True, steady_loop=True)
-    for not_one_warpgroup in (dict(warps_n=4), dict(block_m=128, warps_n=4, a_in_shared=True),
-                              dict(block_m=32, warps_n=2, a_in_shared=True),
-                              dict(block_m=32, warps_n=4, warps_k=2, a_in_shared=True)):
-        with pytest.raises(ValueError, match="warpgroup takes a prefill tile"):
-            GemmTile(**not_one_warpgroup, warpgroup=True)
     for untrimmable in (dict(block_m=32), dict(block_m=16, a_in_shared=True),
                         dict(block_m=64, warps_m=2, a_in_shared=True)):
         with pytest.raises(ValueError, match="trim_padding is for prefill tiles"):
