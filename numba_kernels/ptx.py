@@ -759,21 +759,6 @@ def _gpu_warpgroup(half: str, n: int):
     return warpgroup_mma
 
 
-def _gpu_statement(asm: str):
-    """An intrinsic () -> None emitting `asm`, kept in place."""
-    from numba.cuda.extending import intrinsic
-
-    @intrinsic
-    def statement(typingctx):
-        def codegen(context, builder, sig, args):
-            _statement(asm)(builder)
-            return context.get_dummy_value()
-
-        return types.void(), codegen
-
-    return statement
-
-
 @functools.cache
 def hopper() -> bool:
     """Whether the GPU has the sm_90 instructions of programmatic dependent launch (kernels
@@ -781,20 +766,22 @@ def hopper() -> bool:
     return cuda.get_current_device().compute_capability >= (9, 0)
 
 
-def _gpu_grid_control(asm: str):
-    """An intrinsic () -> None emitting `asm` on Hopper and later, nothing before."""
+def _gpu_statement(asm: str, emitted=lambda: True):
+    """An intrinsic () -> None emitting `asm`, kept in place, where `emitted()` (checked
+    at compile time) says so: the grid-dependency controls are emitted on Hopper and
+    later, nothing before."""
     from numba.cuda.extending import intrinsic
 
     @intrinsic
-    def control(typingctx):
+    def statement(typingctx):
         def codegen(context, builder, sig, args):
-            if hopper():
+            if emitted():
                 _statement(asm)(builder)
             return context.get_dummy_value()
 
         return types.void(), codegen
 
-    return control
+    return statement
 
 
 def _twin_no_op():
@@ -842,8 +829,8 @@ ldmatrix4 = _twin_ldmatrix4 if SIMULATED else _gpu_read(
     "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];", 4, _shared_pointer, in_place=True)
 # Programmatic dependent launch (module docstring): wait_for_previous() blocks until the
 # kernel before has finished; release_next() lets the kernel after start launching.
-wait_for_previous = _twin_no_op if SIMULATED else _gpu_grid_control("griddepcontrol.wait;")
-release_next = _twin_no_op if SIMULATED else _gpu_grid_control("griddepcontrol.launch_dependents;")
+wait_for_previous = _twin_no_op if SIMULATED else _gpu_statement("griddepcontrol.wait;", hopper)
+release_next = _twin_no_op if SIMULATED else _gpu_statement("griddepcontrol.launch_dependents;", hopper)
 # Warpgroup mma (module docstring): fence, commit and wait for `warpgroup_mma`'s groups.
 warpgroup_fence = _twin_no_op if SIMULATED else _gpu_statement("wgmma.fence.sync.aligned;")
 warpgroup_commit = _twin_warpgroup_commit if SIMULATED else _gpu_statement("wgmma.commit_group.sync.aligned;")

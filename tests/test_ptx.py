@@ -406,3 +406,11 @@ def test_warpgroup_twin_rejects_a_b_tile_overwritten_before_its_wait():
 def test_warpgroup_mma_rejects_column_counts_the_instruction_lacks():
     with pytest.raises(ValueError, match="multiple of 8 from 8 to 256"):
         ptx.warpgroup_mma("bfloat16", 12)
+
+
+@pytest.mark.skipif(not ptx.SIMULATED, reason="the twin's check (on the GPU a partial warpgroup is undefined)")
+def test_warpgroup_twin_rejects_blocks_of_partial_warpgroups():
+    a_frag, b_words, _, _ = _warpgroup_operands(np.random.default_rng(2), 8, 128, 128)
+    with pytest.raises(ValueError, match="whole warpgroups"):
+        _warpgroup_kernel(8, b_words.size)[1, 64](np.stack([a_frag[:64]] * 2), np.concatenate([b_words] * 2),
+                                                  np.zeros((64, 4), np.float32), 128, 128)
