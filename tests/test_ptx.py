@@ -390,7 +390,8 @@ needs_warpgroups = pytest.mark.skipif(not ptx.SIMULATED and not ptx.hopper(), re
 def test_warpgroup_mma_accumulates_a_times_b_with_b_in_core_matrices(n, lbo, sbo):
     """Two warpgroups, two B tiles in one shared array: a tile's K halves 128 bytes apart
     and its 8-column groups 256, its columns' core matrices side by side and the K halves
-    128 x n / 8 bytes apart, or padded core matrices (the warpgroup GEMM tile's layout)."""
+    128 x n / 8 bytes apart, or padded core matrices (strides that are not multiples of
+    128 bytes: any multiple of 16 is a descriptor stride)."""
     out, expected = _run_warpgroups(n, lbo, sbo)
     for group in range(2):
         np.testing.assert_allclose(_warpgroup_result(out[128 * group: 128 * group + 128], n), expected[group],
