@@ -16,7 +16,8 @@ import numpy as np
 import torch
 from numba import cuda, float32, uint32
 
-from numba_kernels import ptx
+from numba_kernels import interop, ptx
+from bench_moe import Timer, matmul_rate
 
 ITERATIONS = 2000
 UNROLL = 4  # warpgroup mma issued between two commits
@@ -81,28 +82,11 @@ def warpgroup_kernel(n: int):
     return run, UNROLL * 2 * 64 * n * 16 / 128
 
 
-def tflops(kernel, flops_per_thread: float, blocks: int, threads: int, words) -> float:
+def tflops(timer: Timer, kernel, flops_per_thread: float, blocks: int, threads: int, words) -> float:
+    """TFLOP/s of `kernel`'s ITERATIONS, launched on torch's stream (the timer's events')."""
     out = cuda.device_array(blocks * threads, np.float32)
-    kernel[blocks, threads](words, out, 10)  # compile and warm up
-    start, end = cuda.event(), cuda.event()
-    start.record()
-    kernel[blocks, threads](words, out, ITERATIONS)
-    end.record()
-    end.synchronize()
-    return blocks * threads * ITERATIONS * flops_per_thread / cuda.event_elapsed_time(start, end) / 1e9
-
-
-def torch_tflops(size: int = 8192) -> float:
-    x = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        x @ x
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        x @ x
-    end.record()
-    end.synchronize()
-    return 10 * 2 * size**3 / start.elapsed_time(end) / 1e9
+    ms = timer(lambda: kernel[blocks, threads, interop.launch_stream()](words, out, ITERATIONS), repeats=5, flush=False)
+    return blocks * threads * ITERATIONS * flops_per_thread / ms / 1e9
 
 
 def main(argv=None) -> None:
@@ -112,13 +96,14 @@ def main(argv=None) -> None:
     sms = cuda.get_current_device().MULTIPROCESSOR_COUNT
     # bf16 bit pairs of modest values, so that the sums stay finite
     words = cuda.to_device(np.random.default_rng(0).integers(0x3C003C00, 0x3F003F00, 32, dtype=np.uint32))
-    reference = torch_tflops()
+    timer = Timer(flush_bytes=8)  # nothing to flush: the loops read no memory
+    reference = matmul_rate(timer) / 1e12
     print(f"{torch.cuda.get_device_name()}, {datetime.date.today()}: torch bf16 matmul 8192^3 {reference:.0f} TFLOP/s")
     rows = [("mma.sync m16n8k16, 64 x 64 a warp", *mma_sync_kernel())]
     rows += [(f"warpgroup mma m64n{n}k16, A in registers", *warpgroup_kernel(n)) for n in (64, 128, 256)]
     for name, kernel, flops in rows:
         for per_sm, threads in ((1, 256), (2, 256)):
-            rate = tflops(kernel, flops, per_sm * sms, threads, words)
+            rate = tflops(timer, kernel, flops, per_sm * sms, threads, words)
             print(f"{name:42s} {per_sm} x {threads} threads an SM: {rate:5.0f} TFLOP/s ({rate / reference:.2f}x torch)")
 
 

@@ -318,16 +318,24 @@ def _twin_f16_to_f32(h):
 _warp_lock = threading.Lock()
 
 
-def _warp_state():
-    """(lane, per-warp state) of the calling simulated thread; state is per block."""
+def _group_state(size: int):
+    """(index in its group, the group's state) of the calling simulated thread, for groups
+    of `size` consecutive threads (a warp, a warpgroup); state is per block: the lanes'
+    slots, a barrier, a result, and a warpgroup's open and committed mma."""
     thread = threading.current_thread()
     manager = thread._manager  # the simulator's BlockManager of this block
-    warp, lane = divmod(thread.thread_id, 32)
+    group, index = divmod(thread.thread_id, size)
     with _warp_lock:
-        warps = manager.__dict__.setdefault("_numba_moe_warps", {})
-        if warp not in warps:
-            warps[warp] = {"slots": [None] * 32, "barrier": threading.Barrier(32, timeout=120), "result": None}
-    return lane, warps[warp]
+        groups = manager.__dict__.setdefault(f"_numba_moe_groups_of_{size}", {})
+        if group not in groups:
+            groups[group] = {"slots": [None] * size, "barrier": threading.Barrier(size, timeout=120), "result": None,
+                             "open": [], "committed": []}
+    return index, groups[group]
+
+
+def _warp_state():
+    """(lane, per-warp state) of the calling simulated thread."""
+    return _group_state(32)
 
 
 def _twin_mma(half: str):
@@ -367,17 +375,10 @@ def _twin_mma(half: str):
 
 def _warpgroup_state():
     """(thread in warpgroup, per-warpgroup state) of the calling simulated thread."""
-    thread = threading.current_thread()
-    manager = thread._manager
-    if int(np.prod(manager._block_dim)) % 128:
-        raise ValueError(f"warpgroup_mma needs blocks of whole warpgroups (128 threads), got {manager._block_dim}")
-    group, index = divmod(thread.thread_id, 128)
-    with _warp_lock:
-        groups = manager.__dict__.setdefault("_numba_moe_warpgroups", {})
-        if group not in groups:
-            groups[group] = {"slots": [None] * 128, "barrier": threading.Barrier(128, timeout=120), "result": None,
-                             "open": [], "committed": []}
-    return index, groups[group]
+    block_dim = threading.current_thread()._manager._block_dim
+    if int(np.prod(block_dim)) % 128:
+        raise ValueError(f"warpgroup_mma needs blocks of whole warpgroups (128 threads), got {block_dim}")
+    return _group_state(128)
 
 
 def _core_matrix_words(offset: int, lbo: int, sbo: int, n: int) -> np.ndarray:
