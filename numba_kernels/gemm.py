@@ -266,6 +266,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     gacc_shape = (acc_i, acc_j, 4) if defers else (1, 1, 1)
     size_n, size_k = n, k
     n_chunks = -(-n // CHUNK_N)
+    whole_chunks = n % CHUNK_N == 0  # no column past N in a chunk of N: only warps past N skip their stores
     raw_words = reader.raw_words
     reduce_warps = max(warps_k - 1, 1)
     reduce_values = acc_i * acc_j * 4 * 32 if warps_k > 1 else 1  # accumulators of one warp
@@ -678,8 +679,8 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                         gate, up = (other, own) if is_up else (own, other)
                         first = apply(ZERO + half_to_f32(gate), ZERO + half_to_f32(up))
                         second = apply(ZERO + half_to_f32(gate >> uint32(16)), ZERO + half_to_f32(up >> uint32(16)))
-                        col = gate_chunk * CHUNK_N + 8 * (keep + q) + 2 * (lane % 4)
-                        out[slot, col // 2] = int32(pack2(first, second))
+                        out[uint32(slot), uint32(gate_chunk * (CHUNK_N // 2) + lane % 4) + uint32(4 * (keep + q))] = int32(
+                            pack2(first, second))  # columns gate_chunk * 64 + 8 (keep + q) + 2t, + 1
 
             return finish
 
@@ -697,11 +698,19 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                 out[slot, col] = int16(to_half(value))
 
     @ptx.device
-    def store_pair(out, slot, col, first, second):
-        """Halves of columns col (even) and col + 1 of one slot as one word (`pair_stores`:
-        `out` viewed as int32 pairs); unsigned indices, so no negative-index wraparound."""
-        if col < uint32(size_n):
-            out[slot, col // uint32(2)] = int32(pack2(first, second))
+    def store_pairs(out, slot, chunk, t, acc, mt, r, weight):
+        """Row `r` of m tile `mt` (one slot) as 8 words of half pairs (`pair_stores`: `out`
+        viewed as int32 pairs), columns chunk * 64 + 8 nt + 2t, 2t + 1. One row address and
+        unsigned offsets, so the stores take immediate offsets: with a bounds check and
+        64-bit index arithmetic per column, a 64 x 64 warp tile's 64 stores took about
+        1,100 instructions, two main-loop stages' worth. Where N is whole chunks, the
+        caller checks the chunk once instead of every column here."""
+        row = out[uint32(slot)]
+        first = uint32(chunk * (CHUNK_N // 2) + t)
+        for nt in range(8):
+            pair = first + uint32(4 * nt)
+            if whole_chunks or pair < uint32(size_n // 2):
+                row[pair] = int32(pack2(acc[mt, nt, 2 * r] * weight, acc[mt, nt, 2 * r + 1] * weight))
 
     @ptx.kernel
     def grouped_gemm(act, weights, sorted_ids, expert_ids, num_post_padded, topk_weights, out, reduced, arrivals,
@@ -858,7 +867,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                 else:
                     finish_gate(acc, a_tiles, reduced, slots, num_slots, team + half_n, gate_chunk, multiplier,
                                 first_row, lane)
-        elif wk == 0:
+        elif wk == 0 and (chunk < n_chunks or not whole_chunks):
             for mt in range(m_tiles):
                 for r in range(2):  # this lane's slots: rows g and g + 8 of the m tile, or slots 2t, 2t + 1 swapped
                     slot = slots[2 * t + r] if swap_ab else slots[first_row + 16 * mt + g + 8 * r]
@@ -871,15 +880,13 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                                 for h in range(2):
                                     col = chunk * CHUNK_N + 16 * j + 8 * h + g
                                     store(out, split, slot, col, acc[j, 0, 2 * h + r] * weight)
+                        elif pair_stores:
+                            store_pairs(out, slot, chunk, t, acc, mt, r, weight)
                         else:
                             for nt in range(8):
                                 col = chunk * CHUNK_N + 8 * nt + 2 * t
-                                if pair_stores:
-                                    store_pair(out, uint32(slot), uint32(col), acc[mt, nt, 2 * r] * weight,
-                                               acc[mt, nt, 2 * r + 1] * weight)
-                                else:
-                                    for c in range(2):
-                                        store(out, split, slot, col + c, acc[mt, nt, 2 * r + c] * weight)
+                                for c in range(2):
+                                    store(out, split, slot, col + c, acc[mt, nt, 2 * r + c] * weight)
 
         if finishes:
             finish(out, reduced, arrivals, topk_weights, slots, num_slots, block, column, tid)

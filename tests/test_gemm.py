@@ -194,6 +194,8 @@ def test_k_not_a_multiple_of_the_group_size():
 def test_n_not_a_multiple_of_the_tile_after_a_tensor_parallel_split():
     assert_close(*run_case(formats.native(4, 32), (2, 160, 64), tokens=2, top_k=1, tile=DECODE))
     assert_close(*run_case(formats.native(4, 32), (2, 160, 64), tokens=2, top_k=1, tile=PREFILL))
+    # whole 64-feature chunks, but the last CTA's second warp past N: it must store nothing
+    assert_close(*run_case(formats.native(4, 32), (2, 192, 64), tokens=2, top_k=1, tile=PREFILL))
 
 
 @pytest.mark.parametrize("spec, tile, tokens, top_k", [
