@@ -92,10 +92,9 @@ def candidate_tiles(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTile
                 tile = GemmTile(block_m=block_m, warps_m=warps_m, warps_n=warps_n, warps_k=1, slabs_per_warp=depth,
                                 stages=stages, a_in_shared=True, chunks_first=chunks_first)
                 variants = [tile, attrs.evolve(tile, trim_padding=True)] if tile.trimmable else [tile]
-                chained = [attrs.evolve(variant, passes=2) for variant in variants]  # two column blocks a CTA
                 if k == config.hidden_size and activation_finishable(config, tile):
                     variants += [attrs.evolve(variant, fused_reduction=True) for variant in variants]  # gemm1's activation
-                tiles += variants + chained
+                tiles += variants
     return tiles
 
 
@@ -106,8 +105,7 @@ def refine_candidates(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTi
     warps along K (registers and waves change with it), any tile in the other CTA order
     (chunks_first), and a prefill tile with trim_padding flipped (gemm1's also with
     fused_reduction flipped, where it can finish the activation), with a stage more and
-    one fewer, with half and twice the slabs per stage and (unfused) half and twice the
-    column blocks a CTA chains (`passes`): minutes instead of a
+    one fewer, and with half and twice the slabs per stage: minutes instead of a
     full tuning's tens of minutes, to re-check saved entries after a kernel or an option
     changes."""
     backend = select_backend(config, num_tokens, kernel_spec(config))
@@ -128,9 +126,6 @@ def refine_candidates(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTi
                           if stages >= 2]
                 tiles += [attrs.evolve(tile, slabs_per_warp=depth)
                           for depth in (tile.slabs_per_warp // 2, tile.slabs_per_warp * 2) if depth >= 1]
-                if not tile.fused_reduction:  # half and twice the column blocks a CTA chains
-                    tiles += [attrs.evolve(tile, passes=passes)
-                              for passes in (tile.passes // 2, tile.passes * 2) if passes >= 1]
     return tiles
 
 

@@ -120,13 +120,6 @@ class GemmTile:
                     only (an expert's last block) runs a copy of the main loop without
                     them, one copy per count of tiles in use (fewer mma where experts get a
                     few blocks each, but about twice the code to compile).
-    passes:         prefill: column blocks of block_n features a CTA computes one after another
-                    for its token block. The copy pipeline runs on from one to the next: the
-                    next block's first stages land while the CTA stores the last one, so the
-                    pipeline fills once per CTA, not once per block_n features (a short-K
-                    gemm2 spent about a seventh of its warps' time filling and another in
-                    its stores). Not with the paired activation (its exchange reuses the
-                    stage buffers) nor split_k.
     """
 
     block_m: int = attrs.field(default=16, validator=_positive_power_of_two)
@@ -143,12 +136,8 @@ class GemmTile:
     steady_loop: bool = False
     chunks_first: bool = False
     trim_padding: bool = False
-    passes: int = attrs.field(default=1, validator=attrs.validators.ge(1))
 
     def __attrs_post_init__(self):
-        if self.passes > 1 and not (self.a_in_shared and self.split_k == 1 and not self.fused_reduction):
-            raise ValueError(f"passes > 1 is for prefill tiles (a_in_shared) with split_k = 1 and no fused_reduction, "
-                             f"got {self}")
         if self.steady_loop and self.a_in_shared:
             raise ValueError(f"steady_loop is for decode tiles (no a_in_shared), got {self}")
         if self.trim_padding and not self.trimmable:
@@ -187,10 +176,9 @@ class GemmTile:
         return self.stage_slabs * SLAB_K // 2 + 4
 
     def grid(self, num_blocks: int, n: int) -> tuple[int, int, int]:
-        """(x, y, z) CTAs: token blocks and runs of `passes` column blocks in `chunks_first`
-        order, K splits."""
-        columns = -(-n // (self.block_n * self.passes))
-        return (columns, num_blocks, self.split_k) if self.chunks_first else (num_blocks, columns, self.split_k)
+        """(x, y, z) CTAs: token blocks and output chunks in `chunks_first` order, K splits."""
+        chunks = -(-n // self.block_n)
+        return (chunks, num_blocks, self.split_k) if self.chunks_first else (num_blocks, chunks, self.split_k)
 
 
 def paired_activation(tile: GemmTile, activation: Activation, n: int) -> bool:
@@ -262,10 +250,6 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     slabs_per_split = -(-total_slabs // tile.split_k)
     if a_in_shared:  # splits start on stage boundaries
         slabs_per_split = -(-slabs_per_split // stage_slabs) * stage_slabs
-    passes, pass_slabs = tile.passes, slabs_per_split  # a pass's stages, as the pipeline counts them
-    if passes > 1 and (n % tile.block_n or (n // tile.block_n) % passes or pass_slabs < stages * stage_slabs):
-        raise ValueError(f"{tile}: passes = {passes} needs N ({n}) in whole runs of {passes} column blocks of "
-                         f"{tile.block_n} and K ({k}) of at least `stages` ({stages}) stages of {stage_slabs} slabs")
     warp_run = -(-slabs_per_split // warps_k)  # decode: each warp takes a contiguous run of its split's slabs
     # Where every run's length is a multiple of `depth` (the runs' ends, splits' ends and
     # K's end all on batch boundaries), each batch is whole or past the run: the loop checks
@@ -602,28 +586,17 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         multiply_stage = functools.reduce(then, [slab_step(d) for d in range(depth)])
 
         @ptx.device
-        def run(act, weights, expert, start_slab, end_slab, first, more, buffer, own, read_chunk, chunk, lane, a_lane,
-                a_tiles, w_tiles, raw, params, frag_slots, a_slots, acc, a_source, a_target, a_slab, w_source, w_next,
-                tid):
-            """One pass from `buffer` on; returns the buffer the next pass starts in. `first`:
-            load the pass's first slab (later passes find it loaded by the pass before);
-            `more`: a pass follows, whose stages are copied (plan `w_next`) once this
-            pass's are all under way."""
-            if first:
-                load_slab(weights, expert, start_slab + own, own, read_chunk, chunk, lane, a_lane, a_tiles, w_tiles,
-                          buffer, raw, params, frag_slots[0], a_slots[0])
-            stage = start_slab  # 32-bit counters (the caller's uint32 bounds)
+        def run(act, weights, expert, start_slab, end_slab, own, read_chunk, chunk, lane, a_lane, a_tiles, w_tiles,
+                raw, params, frag_slots, a_slots, acc, a_source, a_target, a_slab, w_source, tid):
+            load_slab(weights, expert, start_slab + own, own, read_chunk, chunk, lane, a_lane, a_tiles, w_tiles, 0,
+                      raw, params, frag_slots[0], a_slots[0])
+            stage, buffer = start_slab, uint32(0)  # 32-bit counters (the caller's uint32 bounds)
             while stage < end_slab:
                 after = uint32(buffer + 1) if buffer < uint32(stages - 1) else uint32(0)
                 multiply_stage(weights, expert, stage, own, read_chunk, chunk, lane, a_lane, a_tiles, w_tiles,
                                buffer, after, raw, params, frag_slots, a_slots, acc)
-                ahead = uint32(stage + stages * stage_slabs)
-                if ahead < end_slab or not more:
-                    issue_stage(act, weights, ahead, end_slab, a_source, a_target, a_slab, w_source, a_tiles, w_tiles,
-                                buffer, tid)
-                else:  # the next pass's stage (one pass holds at least `stages` stages: make_grouped_gemm)
-                    issue_stage(act, weights, uint32(ahead - pass_slabs), end_slab, a_source, a_target, a_slab,
-                                w_next, a_tiles, w_tiles, buffer, tid)
+                issue_stage(act, weights, uint32(stage + stages * stage_slabs), end_slab, a_source, a_target, a_slab,
+                            w_source, a_tiles, w_tiles, buffer, tid)
                 if depth % 2:  # the next stage's first slab went to slot 1
                     for i in range(16):
                         frag_slots[0, i] = frag_slots[1, i]
@@ -632,7 +605,6 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                             a_slots[0, mt, w] = a_slots[1, mt, w]
                 stage = uint32(stage + stage_slabs)
                 buffer = after
-            return buffer
 
         return run
 
@@ -643,15 +615,16 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         if fewer is None:
             @ptx.device
             def only(used, *args):
-                return loop(*args)
+                loop(*args)
 
             return only
 
         @ptx.device
         def choose(used, *args):
             if used == tiles:
-                return loop(*args)
-            return fewer(used, *args)
+                loop(*args)
+            else:
+                fewer(used, *args)
 
         return choose
 
@@ -745,7 +718,6 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         if not early_weights:
             ptx.wait_for_previous()  # launched early (launch.Launcher): the alignment and act are final from here
         block, column = (cuda.blockIdx.y, cuda.blockIdx.x) if chunks_first else (cuda.blockIdx.x, cuda.blockIdx.y)
-        column *= passes  # the CTA's first column block
         tid = cuda.threadIdx.x
         # The block's expert and slots are loaded beside the count of blocks in use, not
         # after it: one round trip to memory before the weights' addresses are known, not
@@ -775,22 +747,6 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
             stage_buffers = cuda.shared.array(0, uint32)  # dynamic (stage_buffer_bytes), 16-byte aligned
             a_tiles = stage_buffers[:a_stage_words]  # stages x block_m x row_words, by flat offsets
             w_tiles = stage_buffers[a_stage_words:]  # stages x stage_words
-            raw = cuda.local.array(raw_words, uint32)
-            a_source = cuda.local.array(a_copies, uint32)
-            a_target = cuda.local.array(a_copies, uint32)
-            a_slab = cuda.local.array(a_copies, uint32)
-            w_source = cuda.local.array(w_copies, uint32)
-            w_next = cuda.local.array(w_copies, uint32)  # the next pass's plan (passes > 1)
-            # Operands of two slabs live in registers: slot d % 2 is multiplied while the
-            # next slab's are loaded and decoded. The stage's barrier comes before its last
-            # slab's mma, so the next stage's first loads overlap tensor work too, and the
-            # copies refilling the stage's buffer are issued after it.
-            frag_slots = cuda.local.array((2, 16), uint32)
-            a_slots = cuda.local.array((2, m_tiles, 4), uint32)
-            a_lane = (first_row + lane % 16) * row_words + 4 * (lane // 16)  # this lane's ldmatrix row, stage 0
-        params = cuda.local.array(16, uint32)
-        if warps_k > 1:
-            partial = cuda.shared.array((reduce_warps, teams, reduce_values), float32)
 
         acc = cuda.local.array((acc_i, acc_j, 4), float32)
         for i in range(acc_i):
@@ -800,17 +756,28 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
 
         start_slab = split * slabs_per_split
         end_slab = min(start_slab + slabs_per_split, total_slabs)
-        computes = expert >= 0 and start_slab < end_slab
-        if computes:
+        if expert >= 0 and start_slab < end_slab:
+            params = cuda.local.array(16, uint32)
             if a_in_shared:
+                raw = cuda.local.array(raw_words, uint32)
+                a_source = cuda.local.array(a_copies, uint32)
+                a_target = cuda.local.array(a_copies, uint32)
+                a_slab = cuda.local.array(a_copies, uint32)
                 plan_activation_copies(slots, num_slots, rows_div, tid, a_source, a_target, a_slab)
+                w_source = cuda.local.array(w_copies, uint32)
                 if paired:
                     plan_weights(expert, column * half_n, up_chunks + column * half_n, tid, w_source)
                 else:
                     plan_weights(expert, column * warps_n, column * warps_n + warps_n // 2, tid, w_source)
-                    if passes > 1:
-                        plan_weights(expert, (column + 1) * warps_n, (column + 1) * warps_n + warps_n // 2, tid,
-                                     w_next)
+                a_lane = (first_row + lane % 16) * row_words + 4 * (lane // 16)
+                # Operands of two slabs live in registers: slot d % 2 is multiplied while the
+                # next slab's are loaded and decoded. The stage's barrier comes before its last
+                # slab's mma, so the next stage's first loads overlap tensor work too, and the
+                # copies refilling the stage's buffer are issued after it.
+                frag_slots = cuda.local.array((2, 16), uint32)
+                a_slots = cuda.local.array((2, m_tiles, 4), uint32)
+                read_chunk = wn if chunk < n_chunks else 0  # warps past N multiply chunk 0 and store nothing
+                own = wk * depth  # this warp's first slab in a stage
                 # The pipeline counts slabs and buffers in 32 bits: Numba's integers are
                 # 64-bit, and so were the main loop's compares, selects and copy bounds.
                 first_slab, last_slab = uint32(start_slab), uint32(end_slab)
@@ -819,6 +786,9 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                                 a_slab, w_source, a_tiles, w_tiles, uint32(s), tid)
                 wait_first_stage()
                 cuda.syncthreads()
+                run_prefill(tiles_in_use(slots, num_slots) if trims else m_tiles, act, weights, expert, first_slab,
+                            last_slab, own, read_chunk, chunk, lane, a_lane, a_tiles, w_tiles, raw, params, frag_slots,
+                            a_slots, acc, a_source, a_target, a_slab, w_source, tid)
             else:
                 weight_end = end_slab if chunk < n_chunks else start_slab  # no weights past N
                 frags = cuda.local.array(16, uint32)
@@ -857,91 +827,69 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                 while slab_a < own_end:
                     slab_a, group = two_batches(act, weights, expert, slab_a, own_end, chunk, lane, rows, raw_a,
                                                 a_raw_a, raw_b, a_raw_b, params, frags, group, acc, gacc, a_sum)
+
         if early_weights:
             ptx.wait_for_previous()  # for CTAs that skipped the decode loop (returns at once after a wait)
-
-        buffer = uint32(0)
-        used = tiles_in_use(slots, num_slots) if trims else m_tiles
-        for p in range(passes):  # a prefill tile's column blocks, one after another
-            if a_in_shared:
-                if computes:
-                    read_chunk = wn if chunk < n_chunks else 0  # warps past N multiply chunk 0 and store nothing
-                    buffer = run_prefill(used, act, weights, expert, uint32(start_slab), uint32(end_slab), p == 0,
-                                         p + 1 < passes, buffer, wk * depth, read_chunk, chunk, lane, a_lane, a_tiles,
-                                         w_tiles, raw, params, frag_slots, a_slots, acc, a_source, a_target, a_slab,
-                                         w_source, w_next, tid)
-            if p + 1 == passes:
-                # The next kernel may launch now: its CTAs start in this one's tail (reduction,
-                # stores, fused finish). Released right after the wait instead, they sat beside
-                # this kernel's main loop and slowed it (Qwen3 NVFP4 M = 1 on the H200: 26 -> 35 us).
-                ptx.release_next()
-            if warps_k > 1:
-                team = warp // warps_k
-                if wk > 0:
+        # The next kernel may launch now: its CTAs start in this one's tail (reduction,
+        # stores, fused finish). Released right after the wait instead, they sat beside this
+        # kernel's main loop and slowed it (Qwen3 NVFP4 M = 1 on the H200: 26 -> 35 us).
+        ptx.release_next()
+        if warps_k > 1:
+            partial = cuda.shared.array((reduce_warps, teams, reduce_values), float32)
+            team = warp // warps_k
+            if wk > 0:
+                for i in range(acc_i):
+                    for j in range(acc_j):
+                        for c in range(4):
+                            partial[wk - 1, team, ((i * acc_j + j) * 4 + c) * 32 + lane] = acc[i, j, c]
+            cuda.syncthreads()
+            if wk == 0:
+                for other in range(warps_k - 1):
                     for i in range(acc_i):
                         for j in range(acc_j):
                             for c in range(4):
-                                partial[wk - 1, team, ((i * acc_j + j) * 4 + c) * 32 + lane] = acc[i, j, c]
-                cuda.syncthreads()
-                if wk == 0:
-                    for other in range(warps_k - 1):
-                        for i in range(acc_i):
-                            for j in range(acc_j):
-                                for c in range(4):
-                                    acc[i, j, c] += partial[other, team, ((i * acc_j + j) * 4 + c) * 32 + lane]
+                                acc[i, j, c] += partial[other, team, ((i * acc_j + j) * 4 + c) * 32 + lane]
 
-            multiplier = output_scale(weights, expert) if expert >= 0 else float32(0.0)
-            if paired:  # every copy has landed (the last stage's wait); once no warp reads the stages:
-                team = warp // warps_k
-                cuda.syncthreads()
-                if wk == 0:
-                    if is_up:
-                        hand_over_up(acc, a_tiles, team, multiplier, lane)
-                    else:
-                        hand_over_gate(acc, a_tiles, team, multiplier, lane)
-                cuda.syncthreads()
-                if wk == 0:
-                    if is_up:
-                        finish_up(acc, a_tiles, reduced, slots, num_slots, team - half_n, gate_chunk, multiplier,
-                                  first_row, lane)
-                    else:
-                        finish_gate(acc, a_tiles, reduced, slots, num_slots, team + half_n, gate_chunk, multiplier,
-                                    first_row, lane)
-            elif wk == 0 and (chunk < n_chunks or not whole_chunks):
-                for mt in range(m_tiles):
-                    for r in range(2):  # this lane's slots: rows g and g + 8 of the m tile, or slots 2t, 2t + 1 swapped
-                        slot = slots[2 * t + r] if swap_ab else slots[first_row + 16 * mt + g + 8 * r]
-                        if slot < num_slots:
-                            weight = multiplier
-                            if mul_routed_weight:
-                                weight *= topk_weights[slot]
-                            if swap_ab:
-                                for j in range(acc_i):
-                                    for h in range(2):
-                                        col = chunk * CHUNK_N + 16 * j + 8 * h + g
-                                        store(out, split, slot, col, acc[j, 0, 2 * h + r] * weight)
-                            elif pair_stores:
-                                store_pairs(out, slot, chunk, t, acc, mt, r, weight)
-                            else:
-                                for nt in range(8):
-                                    col = chunk * CHUNK_N + 8 * nt + 2 * t
-                                    for c in range(2):
-                                        store(out, split, slot, col + c, acc[mt, nt, 2 * r + c] * weight)
+        multiplier = output_scale(weights, expert) if expert >= 0 else float32(0.0)
+        if paired:  # every copy has landed (the last stage's wait); once no warp reads the stages:
+            team = warp // warps_k
+            cuda.syncthreads()
+            if wk == 0:
+                if is_up:
+                    hand_over_up(acc, a_tiles, team, multiplier, lane)
+                else:
+                    hand_over_gate(acc, a_tiles, team, multiplier, lane)
+            cuda.syncthreads()
+            if wk == 0:
+                if is_up:
+                    finish_up(acc, a_tiles, reduced, slots, num_slots, team - half_n, gate_chunk, multiplier, first_row,
+                              lane)
+                else:
+                    finish_gate(acc, a_tiles, reduced, slots, num_slots, team + half_n, gate_chunk, multiplier,
+                                first_row, lane)
+        elif wk == 0 and (chunk < n_chunks or not whole_chunks):
+            for mt in range(m_tiles):
+                for r in range(2):  # this lane's slots: rows g and g + 8 of the m tile, or slots 2t, 2t + 1 swapped
+                    slot = slots[2 * t + r] if swap_ab else slots[first_row + 16 * mt + g + 8 * r]
+                    if slot < num_slots:
+                        weight = multiplier
+                        if mul_routed_weight:
+                            weight *= topk_weights[slot]
+                        if swap_ab:
+                            for j in range(acc_i):
+                                for h in range(2):
+                                    col = chunk * CHUNK_N + 16 * j + 8 * h + g
+                                    store(out, split, slot, col, acc[j, 0, 2 * h + r] * weight)
+                        elif pair_stores:
+                            store_pairs(out, slot, chunk, t, acc, mt, r, weight)
+                        else:
+                            for nt in range(8):
+                                col = chunk * CHUNK_N + 8 * nt + 2 * t
+                                for c in range(2):
+                                    store(out, split, slot, col + c, acc[mt, nt, 2 * r + c] * weight)
 
-            if finishes:
-                finish(out, reduced, arrivals, topk_weights, slots, num_slots, block, column, tid)
-            if passes > 1:
-                if p + 1 < passes:  # the next column block: its plan becomes this one's, the one after it planned
-                    for i in range(acc_i):
-                        for j in range(acc_j):
-                            for c in range(4):
-                                acc[i, j, c] = float32(0.0)
-                    chunk += warps_n
-                    for i in range(w_copies):
-                        w_source[i] = w_next[i]
-                    if p + 2 < passes and computes:
-                        after_next = (column + p + 2) * warps_n
-                        plan_weights(expert, after_next, after_next + warps_n // 2, tid, w_next)
+        if finishes:
+            finish(out, reduced, arrivals, topk_weights, slots, num_slots, block, column, tid)
 
     return grouped_gemm
 

@@ -13,7 +13,7 @@ from layouts.strategies import random_quantized, spec_for
 from numba_kernels import interop
 from numba_kernels.align import moe_align_block_size
 from numba_kernels.fragments import COPY_OFFSET_LIMIT, copy_offsets_fit, fast_path_supported, fragment_reader, lane_scales
-from numba_kernels.gemm import GemmTile, grouped_gemm, make_grouped_gemm, prefill_supported, reference_grouped_gemm
+from numba_kernels.gemm import GemmTile, grouped_gemm, prefill_supported, reference_grouped_gemm
 from numba_kernels.weights import KernelWeights
 
 DECODE = GemmTile(block_m=16, warps_k=2, slabs_per_warp=2)
@@ -184,24 +184,6 @@ def test_cta_order_early_weights_and_trimming_change_no_output_bit(tile):
     for variant, ready in variants:
         assert torch.equal(grouped_gemm(act, weights, *alignment, num_slots=8, tile=variant, alignment_ready=ready),
                            first), (variant, ready)
-
-
-def test_column_passes_change_no_output_bit():
-    """passes only chains a CTA's column blocks through one copy pipeline: the next
-    block's first stages are copied (with the weights of its columns) while the CTA still
-    multiplies and stores the last one; every output element is computed as before."""
-    shape, spec = (2, 192, 48), formats.native(4, 16, zero_points=True)
-    weights = KernelWeights.from_physical(spec, spec.pack(random_quantized(spec, shape, np.random.default_rng(2))),
-                                          shape)
-    device = interop.kernel_device()
-    act = torch.randn(3, 48, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(device)
-    topk_ids = torch.tensor([[0, 1], [1, 0], [1, 0]], dtype=torch.int32, device=device)
-    tile = GemmTile(block_m=16, warps_n=1, warps_k=1, slabs_per_warp=1, stages=2, a_in_shared=True)
-    alignment = moe_align_block_size(topk_ids, tile.block_m, shape[0], check_ids=False)
-    first = grouped_gemm(act, weights, *alignment, num_slots=6, tile=tile)
-    variant = attrs.evolve(tile, passes=3, stages=3, chunks_first=True)  # the last pass planned during the first
-    assert variant.grid(2, 192) == (1, 2, 1)
-    assert torch.equal(grouped_gemm(act, weights, *alignment, num_slots=6, tile=variant), first)
 
 
 def test_k_not_a_multiple_of_the_group_size():
@@ -406,19 +388,6 @@ def test_tile_parameters_are_validated():
                         dict(block_m=64, warps_m=2, a_in_shared=True)):
         with pytest.raises(ValueError, match="trim_padding is for prefill tiles"):
             GemmTile(**untrimmable, trim_padding=True)
-    for unchainable in (dict(), dict(a_in_shared=True, split_k=2), dict(a_in_shared=True, fused_reduction=True)):
-        with pytest.raises(ValueError, match="passes > 1 is for prefill tiles"):
-            GemmTile(block_m=16, passes=2, **unchainable)
-    with pytest.raises(ValueError, match="passes"):
-        GemmTile(passes=0)
-
-
-def test_column_passes_need_whole_runs_of_column_blocks_and_enough_stages():
-    tile = GemmTile(block_m=16, warps_n=2, warps_k=1, slabs_per_warp=2, stages=2, a_in_shared=True, passes=2)
-    spec = formats.native(4, 32)
-    for n, k in ((384, 96), (512, 32)):  # 3 blocks of 128 columns; 2 slabs, fewer than 2 stages of 2
-        with pytest.raises(ValueError, match="passes = 2 needs N"):
-            make_grouped_gemm(spec, n, k, tile, "bfloat16", False, False, True)
 
 
 @pytest.mark.gpu
@@ -432,8 +401,6 @@ def test_column_passes_need_whole_runs_of_column_blocks_and_enough_stages():
     GemmTile(block_m=64, warps_m=1, warps_n=4, warps_k=1, slabs_per_warp=4, stages=2, a_in_shared=True),
     GemmTile(block_m=64, warps_m=1, warps_n=4, warps_k=1, slabs_per_warp=2, stages=4, a_in_shared=True,
              chunks_first=True, trim_padding=True),
-    GemmTile(block_m=64, warps_m=1, warps_n=4, warps_k=1, slabs_per_warp=4, stages=4, a_in_shared=True,
-             chunks_first=True, trim_padding=True, passes=2),
     GemmTile(block_m=128, warps_m=2, warps_n=4, warps_k=1, slabs_per_warp=2, stages=3, a_in_shared=True),
     GemmTile(block_m=64, warps_m=2, warps_n=4, warps_k=1, slabs_per_warp=2, stages=3, split_k=2, a_in_shared=True)])
 @pytest.mark.parametrize("spec", [formats.native(4, 128), formats.native(fp4=True)], ids=["int4", "nvfp4"])
