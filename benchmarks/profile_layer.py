@@ -5,7 +5,11 @@
         python3 benchmarks/profile_layer.py --shape mixtral --format w4a16-g128 --tokens 1
 
 The first forward compiles and records the kernels; the later ones are what a profiler
-should look at (skip the first forward's launches).
+should look at (skip the first forward's launches). `--set full` adds the per-instruction
+stall samples; as text, for reading off the machine:
+
+    ncu -i gemm.ncu-rep --page details --csv > details.csv
+    ncu -i gemm.ncu-rep --page source --csv --print-source sass > source.csv
 """
 
 import argparse
