@@ -338,11 +338,33 @@ def _warp_state():
     return _group_state(32)
 
 
+_LANE_G, _LANE_T = np.arange(32) // 4, np.arange(32) % 4
+
+
+def _a_tile(halves: np.ndarray) -> np.ndarray:
+    """The 16 x 16 A tile of a warp's fragments a0..a3, (32 lanes, 4, 2 halves) as values
+    (module docstring: mma's and a warpgroup mma's warp share the layout)."""
+    a = np.zeros((16, 16))
+    for col in (0, 1):
+        a[_LANE_G, 2 * _LANE_T + col] = halves[:, 0, col]
+        a[_LANE_G + 8, 2 * _LANE_T + col] = halves[:, 1, col]
+        a[_LANE_G, 2 * _LANE_T + 8 + col] = halves[:, 2, col]
+        a[_LANE_G + 8, 2 * _LANE_T + 8 + col] = halves[:, 3, col]
+    return a
+
+
+def _c_tile(accum: np.ndarray) -> np.ndarray:
+    """The 16 x 8 C tile of a warp's accumulators c0..c3, (32 lanes, 4)."""
+    c = np.zeros((16, 8))
+    for col in (0, 1):
+        c[_LANE_G, 2 * _LANE_T + col] = accum[:, col]
+        c[_LANE_G + 8, 2 * _LANE_T + col] = accum[:, 2 + col]
+    return c
+
+
 def _twin_mma(half: str):
     """m16n8k16 as the hardware defines its fragments (module docstring); every lane of
     the warp must call it, as with the real instruction."""
-    lane_g = np.arange(32) // 4
-    lane_t = np.arange(32) % 4
 
     def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         lane, state = _warp_state()
@@ -351,20 +373,12 @@ def _twin_mma(half: str):
         if lane == 0:
             regs = np.array([s[:6] for s in state["slots"]], dtype=np.uint64)
             halves = _halves_to_f64(regs, half)  # (32, 6, 2)
-            a, b = np.zeros((16, 16)), np.zeros((16, 8))
+            b = np.zeros((16, 8))
             for col in (0, 1):
-                a[lane_g, 2 * lane_t + col] = halves[:, 0, col]
-                a[lane_g + 8, 2 * lane_t + col] = halves[:, 1, col]
-                a[lane_g, 2 * lane_t + 8 + col] = halves[:, 2, col]
-                a[lane_g + 8, 2 * lane_t + 8 + col] = halves[:, 3, col]
-                b[2 * lane_t + col, lane_g] = halves[:, 4, col]
-                b[2 * lane_t + 8 + col, lane_g] = halves[:, 5, col]
-            c = np.zeros((16, 8))
-            accum = np.array([s[6:] for s in state["slots"]], dtype=np.float64)
-            for col in (0, 1):
-                c[lane_g, 2 * lane_t + col] = accum[:, col]
-                c[lane_g + 8, 2 * lane_t + col] = accum[:, 2 + col]
-            state["result"] = (a @ b + c).astype(np.float32)
+                b[2 * _LANE_T + col, _LANE_G] = halves[:, 4, col]
+                b[2 * _LANE_T + 8 + col, _LANE_G] = halves[:, 5, col]
+            c = _c_tile(np.array([s[6:] for s in state["slots"]], dtype=np.float64))
+            state["result"] = (_a_tile(halves) @ b + c).astype(np.float32)
         state["barrier"].wait()
         d = state["result"]
         g, t = divmod(lane, 4)
@@ -392,7 +406,6 @@ def _twin_warpgroup(half: str, n: int):
     """wgmma m64nNk16 with A from registers (module docstring), computed at issue; each
     mma remembers the B words it read so that `warpgroup_wait` can check them."""
     regs = n // 2
-    g, t = np.arange(32) // 4, np.arange(32) % 4
 
     def warpgroup_mma(a0, a1, a2, a3, shared, offset, lbo, sbo, acc, first):
         if (4 * int(offset)) % 16 or int(lbo) % 16 or int(sbo) % 16:
@@ -407,15 +420,9 @@ def _twin_warpgroup(half: str, n: int):
                 lanes = state["slots"][32 * warp: 32 * warp + 32]
                 halves = _halves_to_f64(np.array([s[:4] for s in lanes], dtype=np.uint64), half)  # (32, 4, 2)
                 accs = np.array([s[4] for s in lanes], dtype=np.float64).reshape(32, regs // 4, 4)
-                rows = 16 * warp + g
-                for col in (0, 1):
-                    a[rows, 2 * t + col] = halves[:, 0, col]
-                    a[rows + 8, 2 * t + col] = halves[:, 1, col]
-                    a[rows, 2 * t + 8 + col] = halves[:, 2, col]
-                    a[rows + 8, 2 * t + 8 + col] = halves[:, 3, col]
-                    for j in range(n // 8):
-                        d[rows, 8 * j + 2 * t + col] = accs[:, j, col]
-                        d[rows + 8, 8 * j + 2 * t + col] = accs[:, j, 2 + col]
+                a[16 * warp:16 * warp + 16] = _a_tile(halves)  # each warp a 16-row m16n8k16 A tile...
+                for j in range(n // 8):  # ...and a C tile per n8 column tile
+                    d[16 * warp:16 * warp + 16, 8 * j:8 * j + 8] = _c_tile(accs[:, j])
             flat = shared.reshape(-1)
             words, which = _core_matrix_words(int(offset), int(lbo), int(sbo), n)
             read = np.array(flat[words], np.uint32)
