@@ -636,12 +636,19 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                                    range(1 if trims else m_tiles, m_tiles + 1), None)
 
     @ptx.device
-    def tiles_in_use(slots, num_slots):
-        """16-row m tiles up to the block's last slot (past it: padding only)."""
-        used = 1
-        for row in range(16, block_m):
-            if slots[row] < num_slots:
-                used = row // 16 + 1
+    def slots_ready(held):
+        """The barrier after the block's slots are staged; with `trim_padding`, also the
+        count of 16-row m tiles up to the block's last slot (past it: padding only), voted
+        in the barriers themselves: bit mt of `held` says whether this thread staged a
+        slot of m tile mt. Reading the staged slots back instead cost each warp a loop
+        over all block_m of them, a seventh of gemm2's instructions at Qwen3 M = 4096."""
+        if not trims:
+            cuda.syncthreads()
+            return m_tiles
+        used = 1  # trim_padding: m_tiles >= 2, so there is a barrier below
+        for mt in range(1, m_tiles):
+            if cuda.syncthreads_or(held & (1 << mt)):
+                used = mt + 1
         return used
 
     # -- paired activation (prefill gemm1): the warps of a pair swap half their tiles -------------
@@ -724,15 +731,18 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         # two (past the count the loads read stale ids that are never used).
         expert = expert_ids[block]
         slots = cuda.shared.array(block_m, int32)
+        held = 0  # bit mt: this thread staged a slot (not padding) of m tile mt
         for i in range(tid, block_m, threads):
             position = block * block_m + i
             slot = num_slots
             if position < sorted_ids.shape[0]:
                 slot = sorted_ids[position]
             slots[i] = slot
+            if slot < num_slots:
+                held |= 1 << (i // 16)
         if block * block_m >= num_post_padded[0]:
             return
-        cuda.syncthreads()
+        used_tiles = slots_ready(held)
         lane, warp = tid % 32, tid // 32
         g, t = lane // 4, lane % 4
         wk = warp % warps_k
@@ -786,7 +796,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                                 a_slab, w_source, a_tiles, w_tiles, uint32(s), tid)
                 wait_first_stage()
                 cuda.syncthreads()
-                run_prefill(tiles_in_use(slots, num_slots) if trims else m_tiles, act, weights, expert, first_slab,
+                run_prefill(used_tiles, act, weights, expert, first_slab,
                             last_slab, own, read_chunk, chunk, lane, a_lane, a_tiles, w_tiles, raw, params, frag_slots,
                             a_slots, acc, a_source, a_target, a_slab, w_source, tid)
             else:

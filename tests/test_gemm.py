@@ -39,9 +39,11 @@ def reference_alignment(topk_ids: np.ndarray, block_m: int, num_experts: int, ex
 
 
 def run_case(spec, shape, *, tokens, top_k, tile, half=torch.bfloat16, routed_weights=True, seed=0,
-             topk_ids=None, expert_map=None, per_slot=False, check_weights=lambda dense: None):
+             topk_ids=None, expert_map=None, per_slot=False, check_weights=lambda dense: None,
+             reorder=lambda sorted_ids: None):
     """(kernel output, float64 reference) for random weights, activations and routing;
-    `check_weights` sees the dequantized weights first."""
+    `check_weights` sees the dequantized weights first, `reorder` may permute the aligned
+    slot ids in place (a caller's own alignment)."""
     rng = np.random.default_rng(seed)
     experts = shape[0]
     q = random_quantized(spec, shape, rng)
@@ -53,6 +55,7 @@ def run_case(spec, shape, *, tokens, top_k, tile, half=torch.bfloat16, routed_we
         topk_ids = np.stack([rng.permutation(experts)[:top_k] for _ in range(tokens)]).astype(np.int32)
     topk_weights = rng.uniform(0.1, 1.0, topk_ids.shape).astype(np.float32)
     sorted_ids, expert_ids, padded = reference_alignment(topk_ids, tile.block_m, experts, expert_map)
+    reorder(sorted_ids)
     num_slots = topk_ids.size
     act = torch.randn(num_slots if per_slot else tokens, shape[-1], generator=torch.Generator().manual_seed(seed)).to(half)
     device = interop.kernel_device()
@@ -160,6 +163,18 @@ def test_prefill_warps_of_several_row_tiles_with_padding_at_the_tail(tile):
     padding (trimmed: the 64-row block runs the loop over two m tiles)."""
     topk_ids = np.tile(np.array([[0, 1]], np.int32), (20, 1))
     assert_close(*run_case(formats.native(4, 32), (2, 64, 64), tokens=20, top_k=2, tile=tile, topk_ids=topk_ids))
+
+
+def test_trimmed_blocks_count_m_tiles_up_to_the_last_slot_wherever_the_padding_lies():
+    """A caller's alignment may hold padding before a slot: the first block's slot of row
+    19 moved to row 50, so its last m tile is in use though rows 19 to 49 are padding."""
+    def move_a_slot_past_padding(sorted_ids):
+        sorted_ids[19], sorted_ids[50] = sorted_ids[50], sorted_ids[19]
+
+    tile = GemmTile(block_m=64, warps_k=1, slabs_per_warp=2, stages=2, a_in_shared=True, trim_padding=True)
+    topk_ids = np.tile(np.array([[0, 1]], np.int32), (20, 1))
+    assert_close(*run_case(formats.native(4, 32), (2, 64, 64), tokens=20, top_k=2, tile=tile, topk_ids=topk_ids,
+                           reorder=move_a_slot_past_padding))
 
 
 @pytest.mark.parametrize("tile", [PREFILL, SPLIT, SWAP])
