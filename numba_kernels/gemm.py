@@ -732,16 +732,14 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         expert = expert_ids[block]
         slots = cuda.shared.array(block_m, int32)
         held = 0  # bit mt: this thread staged a slot (not padding) of m tile mt
-        for r in range(-(-block_m // threads)):  # a constant trip count: no general strided loop
-            i = uint32(tid + r * threads)
-            if i < uint32(block_m):
-                position = block * block_m + i
-                slot = num_slots
-                if position < sorted_ids.shape[0]:
-                    slot = sorted_ids[position]
-                slots[i] = slot
-                if slot < num_slots:
-                    held |= 1 << (i // uint32(16))
+        for i in range(tid, block_m, threads):
+            position = block * block_m + i
+            slot = num_slots
+            if position < sorted_ids.shape[0]:
+                slot = sorted_ids[position]
+            slots[i] = slot
+            if slot < num_slots:
+                held |= 1 << (i // 16)
         if block * block_m >= num_post_padded[0]:
             return
         used_tiles = slots_ready(held)
