@@ -738,7 +738,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
             if position < sorted_ids.shape[0]:
                 slot = sorted_ids[position]
             slots[i] = slot
-            if slot < num_slots:
+            if trims and slot < num_slots:  # (decode tiles: no code)
                 held |= 1 << (i // 16)
         if block * block_m >= num_post_padded[0]:
             return
