@@ -738,7 +738,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
             if position < sorted_ids.shape[0]:
                 slot = sorted_ids[position]
             slots[i] = slot
-            if trims and slot < num_slots:  # (decode tiles: no code)
+            if trims and slot < num_slots:  # trims is a constant: no code in untrimmed kernels
                 held |= 1 << (i // 16)
         if block * block_m >= num_post_padded[0]:
             return
@@ -796,9 +796,9 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                                 a_slab, w_source, a_tiles, w_tiles, uint32(s), tid)
                 wait_first_stage()
                 cuda.syncthreads()
-                run_prefill(used_tiles, act, weights, expert, first_slab,
-                            last_slab, own, read_chunk, chunk, lane, a_lane, a_tiles, w_tiles, raw, params, frag_slots,
-                            a_slots, acc, a_source, a_target, a_slab, w_source, tid)
+                run_prefill(used_tiles, act, weights, expert, first_slab, last_slab, own, read_chunk, chunk, lane,
+                            a_lane, a_tiles, w_tiles, raw, params, frag_slots, a_slots, acc, a_source, a_target, a_slab,
+                            w_source, tid)
             else:
                 weight_end = end_slab if chunk < n_chunks else start_slab  # no weights past N
                 frags = cuda.local.array(16, uint32)
