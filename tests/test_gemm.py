@@ -156,13 +156,21 @@ def test_prefill_pipeline_at_every_group_size_code_width_and_stage_depth(spec, h
     assert_close(*run_case(spec, (2, 80, 96), tokens=3, top_k=2, tile=tile, half=half))
 
 
-@pytest.mark.parametrize("tile", [PREFILL, GemmTile(block_m=64, warps_k=1, slabs_per_warp=2, stages=2,
-                                                   a_in_shared=True, trim_padding=True)])
-def test_prefill_warps_of_several_row_tiles_with_padding_at_the_tail(tile):
-    """20 slots per expert: a warp's first 16-row tile full, the second 4 slots, the rest
-    padding (trimmed: the 64-row block runs the loop over two m tiles)."""
+TRIMMED = GemmTile(block_m=64, warps_k=1, slabs_per_warp=2, stages=2, a_in_shared=True, trim_padding=True)
+
+
+def run_twenty_slots_per_expert(tile, **options):
+    """run_case with 20 slots per expert: a 64-row block's first 16-row tile full, the
+    second 4 slots, the rest padding."""
     topk_ids = np.tile(np.array([[0, 1]], np.int32), (20, 1))
-    assert_close(*run_case(formats.native(4, 32), (2, 64, 64), tokens=20, top_k=2, tile=tile, topk_ids=topk_ids))
+    return run_case(formats.native(4, 32), (2, 64, 64), tokens=20, top_k=2, tile=tile, topk_ids=topk_ids, **options)
+
+
+@pytest.mark.parametrize("tile", [PREFILL, TRIMMED])
+def test_prefill_warps_of_several_row_tiles_with_padding_at_the_tail(tile):
+    """Padding after an expert's slots (trimmed: the 64-row block runs the loop over two m
+    tiles)."""
+    assert_close(*run_twenty_slots_per_expert(tile))
 
 
 def test_trimmed_blocks_count_m_tiles_up_to_the_last_slot_wherever_the_padding_lies():
@@ -171,10 +179,7 @@ def test_trimmed_blocks_count_m_tiles_up_to_the_last_slot_wherever_the_padding_l
     def move_a_slot_past_padding(sorted_ids):
         sorted_ids[19], sorted_ids[50] = sorted_ids[50], sorted_ids[19]
 
-    tile = GemmTile(block_m=64, warps_k=1, slabs_per_warp=2, stages=2, a_in_shared=True, trim_padding=True)
-    topk_ids = np.tile(np.array([[0, 1]], np.int32), (20, 1))
-    assert_close(*run_case(formats.native(4, 32), (2, 64, 64), tokens=20, top_k=2, tile=tile, topk_ids=topk_ids,
-                           reorder=move_a_slot_past_padding))
+    assert_close(*run_twenty_slots_per_expert(TRIMMED, reorder=move_a_slot_past_padding))
 
 
 @pytest.mark.parametrize("tile", [PREFILL, SPLIT, SWAP])
