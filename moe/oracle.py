@@ -30,8 +30,8 @@ back to a heuristic:
   (`gemm.prefill_supported`: act-order, scales not lane-contiguous) take decode tiles.
 
 A tile's `fused_reduction` (a decode GEMM finishes the activation or the combine in its
-last CTAs, `numba_kernels.epilogue`; a prefill gemm1 the activation in its epilogue,
-`gemm.paired_activation`) and `steady_loop` (whole batches without per-slab range
+last CTAs, `numba_kernels.epilogue`; a gemm1 of paired warps, prefill or decode with
+warps_n >= 2 and no K split, the activation in its epilogue, `gemm.paired_activation`) and `steady_loop` (whole batches without per-slab range
 checks: on the H200, 2026-11-24, NVFP4 gemm1 3 % to 8 % faster, deferred 4-bit codes
 slower at 168 registers; 16-slot tiles at 8 to 16 slots per expert 9 % to 24 % faster)
 are set only by the tuner. Measured on the H200
@@ -171,16 +171,16 @@ def heuristic_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec | None
 
 def writes_partials(tile: GemmTile) -> bool:
     """Whether the GEMM writes float32 partials (split_k, slots, N) rather than halves:
-    a K split, or a decode tile that may finish the reduction itself (`fused_reduction`;
-    a prefill tile finishes it from its half outputs)."""
-    return tile.split_k > 1 or (tile.fused_reduction and not tile.a_in_shared)
+    a K split, or a decode tile that may finish the reduction itself from them
+    (`fused_reduction`; a tile of paired warps finishes it from its half outputs)."""
+    return tile.split_k > 1 or (tile.fused_reduction and not tile.pairs_warps)
 
 
 def activation_finishable(config: MoEConfig, tile: GemmTile) -> bool:
-    """Whether gemm1 with `tile` can finish the activation: from partials (decode) or in
-    its epilogue (prefill, `gemm.paired_activation`)."""
+    """Whether gemm1 with `tile` can finish the activation: in its epilogue (a tile of
+    paired warps, `gemm.paired_activation`) or from partials (other decode tiles)."""
     n1 = config.gate_up_size
-    if tile.a_in_shared:
+    if tile.pairs_warps:
         return paired_activation(tile, config.activation, n1)
     return activation_fusable(config.activation, n1, tile.block_n)
 
@@ -194,8 +194,8 @@ def fused_activation_kind(config: MoEConfig, tile: GemmTile) -> tuple | None:
 
 def fused_combine_kind(config: MoEConfig, tile: GemmTile) -> tuple | None:
     """The `FusedCombine.kind` gemm2 finishes with `tile`, or None (a separate kernel; a
-    prefill tile never finishes the combine)."""
-    return combine_kind(config.top_k) if tile.fused_reduction and not tile.a_in_shared else None
+    tile of paired warps never finishes the combine)."""
+    return combine_kind(config.top_k) if tile.fused_reduction and not tile.pairs_warps else None
 
 
 def fused_routing(config: MoEConfig, num_tokens: int) -> bool:

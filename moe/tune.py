@@ -18,7 +18,8 @@ from the next (on the H200 one draw picked a Mixtral M = 16 gemm2 tile that the
 benchmark's own draw timed 1.36x slower). The candidates are the oracle's own
 families (`candidate_tiles`): decode tiles (16-slot blocks, or 8-slot blocks with
 swapped operands, those also with the reduction fused into the GEMM or an unchecked
-steady loop; operands straight from global memory, K split over warps and CTAs)
+steady loop; gemm1's also as gate/up pairs of warps that finish the activation in their
+epilogue; operands straight from global memory, K split over warps and CTAs)
 and prefill tiles (32 to 128-row blocks staged in shared memory, in either CTA order,
 with and without trim_padding, gemm1's with and without the activation in its
 epilogue); a tile that the layout or the shared memory cannot take
@@ -86,6 +87,7 @@ def candidate_tiles(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTile
                     tiles.append(attrs.evolve(decode, split_k=split_k))
                     if decode.swap_ab:  # one wave of CTAs: finishing the reduction in the GEMM may pay
                         tiles.append(attrs.evolve(decode, split_k=split_k, fused_reduction=True))
+            tiles += paired_decode(config, k, decode)
     if per_expert > 4:
         for block_m, warps_m, warps_n, depth, stages in PREFILL_SHAPES:
             for chunks_first in (False, True):  # which operand the L2 keeps for the CTAs running together
@@ -98,11 +100,23 @@ def candidate_tiles(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTile
     return tiles
 
 
+def paired_decode(config: MoEConfig, k: int, tile: GemmTile) -> list[GemmTile]:
+    """gemm1's decode `tile` as gate/up pairs of warps finishing the activation in its
+    epilogue (`gemm.paired_activation`): no K split, twice the warps along N, and as
+    many warps a CTA with half the warps along K; none where it cannot pair."""
+    if k != config.hidden_size or tile.a_in_shared:
+        return []
+    pairs = [attrs.evolve(tile, warps_n=2, split_k=1, fused_reduction=True, warps_k=warps_k)
+             for warps_k in sorted({tile.warps_k, max(tile.warps_k // 2, 1)})]
+    return [pair for pair in pairs if activation_finishable(config, pair)]
+
+
 def refine_candidates(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTile]:
     """Candidates for `--refine`: the tile the oracle now picks (tuned or heuristic) for the
     GEMM of reduction length `k` and, if it is a decode tile, that tile with each boolean
     option flipped (steady_loop; fused_reduction when swapped) and with half and twice the
-    warps along K (registers and waves change with it), any tile in the other CTA order
+    warps along K (registers and waves change with it), gemm1's also as pairs of warps
+    (`paired_decode`), any tile in the other CTA order
     (chunks_first), and a prefill tile with trim_padding flipped (gemm1's also with
     fused_reduction flipped, where it can finish the activation), with a stage more and
     one fewer, and with half and twice the slabs per stage: minutes instead of a
@@ -119,6 +133,8 @@ def refine_candidates(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTi
                           if 1 <= warps_k <= 8]
             if tile.swap_ab or (first and tile.a_in_shared and activation_finishable(config, tile)):
                 tiles.append(attrs.evolve(tile, fused_reduction=not tile.fused_reduction))
+            if first and not tile.pairs_warps:
+                tiles += paired_decode(config, k, tile)
             if tile.trimmable:
                 tiles.append(attrs.evolve(tile, trim_padding=not tile.trim_padding))
             if tile.a_in_shared:  # the pipeline: a stage more or fewer, stages of twice or half the slabs

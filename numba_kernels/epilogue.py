@@ -30,7 +30,8 @@ other CTAs wrote during this launch, so it loads them past the incoherent L1
 (`ptx.load_coherent`). This is the serial split-K reduction of
 CUTLASS's semaphore epilogue, with the counters in the caller's workspace.
 
-A prefill tile, whose grid is many waves, finishes only the activation, and without
+A tile of paired warps (every prefill tile, whose grid is many waves; a decode tile with
+two or more warps along N and no K split) finishes only the activation, and without
 counters: its CTAs hold both halves of their outputs (`gemm.paired_activation`);
 `check_fused(counters=False)` validates that case.
 """
@@ -112,7 +113,7 @@ def check_fused(then, *, n: int, block_n: int, blocks: int, num_slots: int, half
                 counters: bool = True):
     """Validate `then` of a GEMM with n outputs (raises ValueError/TypeError naming the
     argument); returns its kernel arrays (out, arrivals, topk_weights or None). Without
-    `counters` (a prefill tile's epilogue, `gemm.paired_activation`) no CTA columns need
+    `counters` (the epilogue of paired warps, `gemm.paired_activation`) no CTA columns need
     splitting and no arrival counters are read."""
     if isinstance(then, FusedActivation):
         if not isinstance(then.activation, Activation):

@@ -48,12 +48,14 @@ The operands come from one of two places, a tile option:
 
 The first warp of each `warps_k` team writes the tile: half outputs (one K split) or
 float32 partials (split_k, slots, N) that the next kernel sums in a fixed order
-(deterministic, no atomics). A prefill gemm1 may instead finish the activation itself
+(deterministic, no atomics). gemm1 on a tile of paired warps (every prefill tile; a
+decode tile with warps_n >= 2 and one K split) may instead finish the activation itself
 (`paired_activation`): its CTA's first warps_n / 2 warps take gate chunks and the others
 the up chunks of the same features, and the two warps of a pair, holding a feature's
-gate and up at the same fragment positions, swap half their tiles through the idle stage
-buffers; each writes act(gate) * up for its half. gemm1's output never goes to memory
-and the activation kernel (which reads it and writes half as much) is not launched.
+gate and up at the same fragment positions, swap half their tiles through shared memory
+(the idle stage buffers, or a decode tile's own); each writes act(gate) * up for its
+half. gemm1's output never goes to memory and the activation kernel (which reads it and
+writes half as much) is not launched.
 
 Memory traffic: each weight byte of the touched experts is read once per token block
 (once in all at decode); activations are re-read once per 64-feature chunk, from L2.
@@ -120,6 +122,9 @@ class GemmTile:
                     only (an expert's last block) runs a copy of the main loop without
                     them, one copy per count of tiles in use (fewer mma where experts get a
                     few blocks each, but about twice the code to compile).
+
+    A tile whose warps come in gate/up pairs (`pairs_warps`) fuses only gemm1's activation,
+    finished in its epilogue (`paired_activation`); others fuse from float32 partials.
     """
 
     block_m: int = attrs.field(default=16, validator=_positive_power_of_two)
@@ -162,6 +167,13 @@ class GemmTile:
         return self.a_in_shared and self.warps_m == 1 and self.block_m >= 32
 
     @property
+    def pairs_warps(self) -> bool:
+        """Whether `fused_reduction` means gemm1's activation finished by pairs of warps
+        in the epilogue (`paired_activation`), not from partials: every prefill tile, and
+        a decode tile with one K split and two or more warps along N."""
+        return self.a_in_shared or (self.split_k == 1 and self.warps_n >= 2)
+
+    @property
     def block_n(self) -> int:
         return CHUNK_N * self.warps_n
 
@@ -182,17 +194,18 @@ class GemmTile:
 
 
 def paired_activation(tile: GemmTile, activation: Activation, n: int) -> bool:
-    """Whether gemm1 (n = 2I gate/up outputs) with the prefill `tile` can finish
+    """Whether gemm1 (n = 2I gate/up outputs) with `tile` (`pairs_warps`) can finish
     `activation` in its epilogue, with no counters and no partials: gate and up in halves
     [gate | up] of a row, one K split, and I in whole runs of warps_n / 2 chunks. The
     CTA's first warps_n / 2 warps then multiply gate chunks and the others the up chunks
     of the same features, so the two warps of a pair hold a feature's gate and up at the
-    same fragment position; each hands half of its tile to the other through the stage
-    buffers (idle after the main loop, and large enough: the check below) and finishes
-    the other half."""
+    same fragment position; each hands half of its tile to the other through shared
+    memory (a prefill tile's idle stage buffers, which must be large enough: the check
+    below; a decode tile's own small buffer) and finishes the other half. At decode this
+    takes the activation kernel out of the layer with no partials, fences or counters."""
     half_n = tile.warps_n // 2
-    exchange_fits = 16 * tile.warps_n <= tile.stages * tile.row_words  # the exchange's words per block row
-    return (tile.a_in_shared and tile.split_k == 1 and half_n >= 1 and gate_up_halves(activation)
+    exchange_fits = 16 * tile.warps_n <= tile.stages * tile.row_words if tile.a_in_shared else True
+    return (tile.pairs_warps and tile.split_k == 1 and half_n >= 1 and gate_up_halves(activation)
             and (n // 2) % (CHUNK_N * half_n) == 0 and exchange_fits)
 
 
@@ -290,7 +303,14 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     stage_words, w_copies = (staged.stage_words, staged.copies_per_thread) if staged else (1, 1)
     plan_weights, copy_weights, copy_weights_partial, fetch_weights = (
         (staged.plan, staged.copy, staged.copy_partial, staged.fetch) if staged else (None,) * 4)
-    static_bytes = 4 * (block_m + reduce_warps * teams * reduce_values)
+    # A tile of paired warps (`GemmTile.pairs_warps`) finishes gemm1's activation in its
+    # epilogue (`paired_activation`); other tiles finish either reduction from float32
+    # partials (`epilogue`).
+    paired = fused is not None and tile.pairs_warps
+    # The pairs' exchange: a prefill tile's idle stage buffers, a decode tile's own words
+    # (per team: 8 words a lane and m tile, 4 a lane swapped).
+    exchange_words = teams * 32 * (4 if swap_ab else 8 * m_tiles) if paired and not a_in_shared else 0
+    static_bytes = 4 * (block_m + reduce_warps * teams * reduce_values + exchange_words)
     if static_bytes > STATIC_SHARED_BYTES:
         raise ValueError(f"{tile} needs {static_bytes} bytes of static shared memory, more than "
                          f"{STATIC_SHARED_BYTES}: use fewer warps along K or rows")
@@ -299,16 +319,14 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         raise ValueError(f"{tile} needs {buffer_bytes} bytes of shared memory for the stage buffers of {spec.name}, "
                          f"more than {STAGE_BUFFER_BYTES - static_bytes}: use fewer stages, slabs or rows")
     wait_copies, wait_first_stage = ptx.wait_copies[max(stages - 2, 0)], ptx.wait_copies[stages - 1]
-    # A prefill tile finishes gemm1's activation in its epilogue (`paired_activation`);
-    # a decode tile finishes either reduction from float32 partials (`epilogue`).
-    paired = fused is not None and a_in_shared
     if paired and not (fused[0] == "activation" and paired_activation(tile, fused[1], n)):
-        raise ValueError(f"then: a prefill tile finishes only a gated [gate | up] activation, with split_k = 1, "
-                         f"warps_n >= 2, I = {n // 2} in whole runs of warps_n / 2 chunks of {CHUNK_N} and "
-                         f"16 * warps_n <= stages * row_words (gemm.paired_activation); got "
+        raise ValueError(f"then: a tile of paired warps (a prefill tile, or a decode tile with split_k = 1 and "
+                         f"warps_n >= 2) finishes only a gated [gate | up] activation, with split_k = 1, "
+                         f"warps_n >= 2, I = {n // 2} in whole runs of warps_n / 2 chunks of {CHUNK_N} and, "
+                         f"prefill, 16 * warps_n <= stages * row_words (gemm.paired_activation); got "
                          f"{fused[1] if fused[0] == 'activation' else 'the combine'} with {tile}: run the reduction after the GEMM instead")
     if paired and partial_output:
-        raise ValueError("a prefill tile finishes the activation from its half outputs: build with "
+        raise ValueError("a tile of paired warps finishes the activation from its half outputs: build with "
                          "partial_output=False")
     if fused is not None and not paired and not partial_output:
         raise ValueError("a fused reduction reads float32 partials: build with partial_output=True")
@@ -651,7 +669,38 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                 used = mt + 1
         return used
 
-    # -- paired activation (prefill gemm1): the warps of a pair swap half their tiles -------------
+    # -- paired activation (gemm1): the warps of a pair swap half their tiles ---------------------
+
+    def swapped_pair_half(is_up: bool):
+        """pair_half for swapped tiles, whose accumulator (j, 0, 2h + r) holds feature
+        16 j + 8 h + g of slot 2t + r: the gate warp finishes j = 0, 1, the up warp 2, 3;
+        an exchange word holds a feature's two slots."""
+        keep, give = (2, 0) if is_up else (0, 2)
+
+        @ptx.device
+        def hand_over(acc, exchange, team, multiplier, lane):
+            for q in range(2):
+                for h in range(2):
+                    exchange[((team * 2 + q) * 2 + h) * 32 + lane] = pack2(acc[give + q, 0, 2 * h] * multiplier,
+                                                                           acc[give + q, 0, 2 * h + 1] * multiplier)
+
+        @ptx.device
+        def finish(acc, exchange, out, slots, num_slots, partner, gate_chunk, multiplier, first_row, lane):
+            g, t = lane // 4, lane % 4
+            for r in range(2):
+                slot = slots[2 * t + r]
+                if slot < num_slots:
+                    shift = uint32(16 * r)
+                    for q in range(2):
+                        for h in range(2):
+                            own = pack2(acc[keep + q, 0, 2 * h] * multiplier, acc[keep + q, 0, 2 * h + 1] * multiplier)
+                            other = exchange[((partner * 2 + q) * 2 + h) * 32 + lane]
+                            gate, up = (other, own) if is_up else (own, other)
+                            value = apply(ZERO + half_to_f32(gate >> shift), ZERO + half_to_f32(up >> shift))
+                            col = uint32(gate_chunk * CHUNK_N + 16 * (keep + q) + 8 * h) + uint32(g)
+                            out[uint32(slot), col] = int16(to_half(value))
+
+        return hand_over, finish
 
     def pair_half(is_up: bool):
         """hand_over and finish for the gate (False) or the up (True) warp of a pair: the
@@ -694,7 +743,8 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         return (functools.reduce(then, [hand_over_step(mt) for mt in range(m_tiles)]),
                 functools.reduce(then, [finish_step(mt, r) for mt in range(m_tiles) for r in range(2)]))
 
-    (hand_over_gate, finish_gate), (hand_over_up, finish_up) = pair_half(False), pair_half(True)
+    pair_roles = swapped_pair_half if swap_ab else pair_half
+    (hand_over_gate, finish_gate), (hand_over_up, finish_up) = pair_roles(False), pair_roles(True)
 
     @ptx.device
     def store(out, split, slot, col, value):
@@ -757,6 +807,8 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
             stage_buffers = cuda.shared.array(0, uint32)  # dynamic (stage_buffer_bytes), 16-byte aligned
             a_tiles = stage_buffers[:a_stage_words]  # stages x block_m x row_words, by flat offsets
             w_tiles = stage_buffers[a_stage_words:]  # stages x stage_words
+        elif paired:
+            a_tiles = cuda.shared.array(exchange_words, uint32)  # the pairs' exchange (decode)
 
         acc = cuda.local.array((acc_i, acc_j, 4), float32)
         for i in range(acc_i):
@@ -861,9 +913,10 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                                 acc[i, j, c] += partial[other, team, ((i * acc_j + j) * 4 + c) * 32 + lane]
 
         multiplier = output_scale(weights, expert) if expert >= 0 else float32(0.0)
-        if paired:  # every copy has landed (the last stage's wait); once no warp reads the stages:
+        if paired:
             team = warp // warps_k
-            cuda.syncthreads()
+            if a_in_shared:  # every copy has landed (the last stage's wait); once no warp reads the stages:
+                cuda.syncthreads()
             if wk == 0:
                 if is_up:
                     hand_over_up(acc, a_tiles, team, multiplier, lane)
@@ -947,9 +1000,10 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
     then:                    the reduction that reads the output, finished by the GEMM
                              itself: on a decode tile from the partials (`epilogue`),
                              `FusedActivation` (gemm1) or `FusedCombine` (gemm2), whose
-                             arrival counters must be zeros; on a prefill tile a
-                             `FusedActivation` that `paired_activation` allows, finished in
-                             the epilogue: `out` is then not written (None allocates nothing).
+                             arrival counters must be zeros; on a tile of paired warps
+                             (`GemmTile.pairs_warps`) a `FusedActivation` that
+                             `paired_activation` allows, finished in the epilogue: `out`
+                             is then not written (None allocates nothing).
     alignment_ready:         the alignment was written before the kernel launched ahead of
                              this one started (see make_grouped_gemm): under early launch
                              the first weight loads need not wait for that kernel.
@@ -972,9 +1026,10 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
                          f"({sorted_token_ids.shape[0]}) in blocks of {tile.block_m}: align with block_size = block_m")
     if out is not None:
         out = interop.as_tensor(out, "out")
-    paired = then is not None and tile.a_in_shared  # finished in the epilogue, from half outputs
+    paired = then is not None and tile.pairs_warps  # finished in the epilogue, from half outputs
     if paired and partial_output:
-        raise ValueError("a prefill tile finishes then= from half outputs: pass partial_output=False (or leave it unset)")
+        raise ValueError("a tile of paired warps (GemmTile.pairs_warps) finishes then= from half outputs: pass "
+                         "partial_output=False (or leave it unset)")
     if partial_output is None:  # a float32 `out` holds partials (activations, hence outputs, are halves)
         partial_output = (tile.split_k > 1 or (then is not None and not paired)
                           or (out is not None and out.dtype == torch.float32))
@@ -1012,7 +1067,7 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
                                                          num_slots=num_slots, half=act.dtype, counters=not paired)
         if combine_weights is not None:
             weights_flat = combine_weights.reshape(-1)
-        if paired:
+        if paired and not tile.swap_ab:
             reduced = reduced.view(torch.int32)  # pair stores
     kernel = make_grouped_gemm(weights.spec, n, k, tile, half, partial_output, topk_weights is not None, pairs,
                                None if then is None else then.kind, alignment_ready)

@@ -118,15 +118,20 @@ def test_bad_fused_arguments_raise_errors_naming_the_argument():
 
 
 PAIRED = GemmTile(block_m=32, warps_n=4, warps_k=1, slabs_per_warp=2, stages=4, a_in_shared=True, fused_reduction=True)
+SWAP_PAIRED = GemmTile(block_m=8, warps_n=2, warps_k=2, slabs_per_warp=1, swap_ab=True, fused_reduction=True)
 
 
 @pytest.mark.parametrize("tile,n,half", [
     (PAIRED, 512, torch.bfloat16),  # two CTA columns of two gate and two up chunks each
-    (attrs.evolve(PAIRED, warps_n=2, trim_padding=True, chunks_first=True), 256, torch.float16)])
-def test_prefill_tile_finishes_the_activation_in_its_epilogue(tile, n, half):
-    """The gate and up warps of each pair swap half their tiles through the stage buffers:
-    the result is the activation kernel's on gemm1's half outputs, bit for bit, padding
-    rows untouched and a block of another rank's expert (-1) zeros."""
+    (attrs.evolve(PAIRED, warps_n=2, trim_padding=True, chunks_first=True), 256, torch.float16),
+    (SWAP_PAIRED, 256, torch.bfloat16),  # decode, swapped: accumulators of 16 features x 8 slots
+    (attrs.evolve(SWAP_PAIRED, warps_n=4, warps_k=1), 512, torch.float16),
+    (GemmTile(block_m=16, warps_n=2, warps_k=1, slabs_per_warp=1, fused_reduction=True), 256, torch.bfloat16)])
+def test_paired_warps_finish_the_activation_in_their_epilogue(tile, n, half):
+    """The gate and up warps of each pair swap half their tiles through shared memory (a
+    prefill tile's stage buffers, a decode tile's own words): the result is the activation
+    kernel's on gemm1's half outputs, bit for bit, padding rows untouched and a block of
+    another rank's expert (-1) zeros."""
     tokens, top_k, silu = 5, 2, Activation("silu")
     weights, act, (sorted_ids, expert_ids, padded), _, _ = setup((4, n, 32), tokens=tokens, top_k=top_k, tile=tile,
                                                                  half=half)
@@ -143,7 +148,7 @@ def test_prefill_tile_finishes_the_activation_in_its_epilogue(tile, n, half):
     assert (expected == 0).all(dim=1).any()  # the -1 block's rows
 
 
-def test_prefill_tiles_finish_only_an_activation_they_can_pair():
+def test_tiles_of_paired_warps_finish_only_an_activation_they_can_pair():
     weights, act, alignment, _, topk_weights = setup((4, 256, 32), tokens=3, top_k=2, tile=PAIRED)
     call = dict(num_slots=6, tile=PAIRED)
     out = torch.empty(6, 128, dtype=torch.bfloat16, device=act.device)
@@ -159,6 +164,11 @@ def test_prefill_tiles_finish_only_an_activation_they_can_pair():
             grouped_gemm(act, weights, *alignment, num_slots=6, tile=tile, then=silu)
     with pytest.raises(ValueError, match="from half outputs"):
         grouped_gemm(act, weights, *alignment, **call, partial_output=True, then=silu)
+    swapped = moe_align_block_size(torch.tensor([[0, 1], [2, 3], [1, 2]], dtype=torch.int32, device=act.device), 8, 4,
+                                   check_ids=False)
+    for then in (FusedCombine(topk_weights, combined, arrivals()), FusedActivation(Activation("swigluoai"), out, arrivals())):
+        with pytest.raises(ValueError, match="finishes only a gated"):  # decode pairs: no counters either
+            grouped_gemm(act, weights, *swapped, num_slots=6, tile=SWAP_PAIRED, then=then)
     with pytest.raises(ValueError, match="steady_loop is for decode tiles"):
         GemmTile(block_m=32, warps_k=1, a_in_shared=True, steady_loop=True)
 

@@ -10,7 +10,7 @@ import moe.oracle
 import moe.tune
 from moe import MoEConfig, QuantScheme, select_backend
 from moe.oracle import Backend, activation_finishable
-from moe.tune import ProgressBar, candidate_tiles, refine_candidates, save, tune
+from moe.tune import ProgressBar, candidate_tiles, paired_decode, refine_candidates, save, tune
 from moe.weights import kernel_spec
 from numba_kernels.gemm import GemmTile
 
@@ -81,6 +81,10 @@ def test_candidates_are_valid_tiles_of_the_right_family(tokens):
         t for t in plain if activation_finishable(qwen3, t)}
     assert bool(fused) == bool(prefill)
     assert not any(t.fused_reduction for t in candidate_tiles(tokens, qwen3, 768) if t.a_in_shared)  # gemm2
+    paired = {t for t in tiles if t.pairs_warps and not t.a_in_shared}  # gemm1's decode tiles as gate/up pairs
+    assert bool(paired) == (per_expert <= 64)
+    assert all(t.warps_n == 2 and t.split_k == 1 and t.fused_reduction for t in paired)
+    assert not any(t.pairs_warps for t in candidate_tiles(tokens, qwen3, 768) if not t.a_in_shared)
 
 
 def test_progress_bar_counts_to_the_total():
@@ -96,6 +100,10 @@ def test_refine_times_the_current_choice_and_its_flipped_options(empty_tuned_dir
     mixtral = MoEConfig(num_experts=8, top_k=2, hidden_size=4096, intermediate_size=14336, quant=QuantScheme("nvfp4"))
     current = select_backend(mixtral, 1, kernel_spec(mixtral)).gemm1
     tiles = refine_candidates(1, mixtral, mixtral.hidden_size)
+    paired = [t for t in tiles if t.pairs_warps]  # gemm1 as gate/up pairs of warps, no K split
+    assert paired == paired_decode(mixtral, mixtral.hidden_size, current) and len(paired) == 2
+    assert all(t.warps_n == 2 and t.split_k == 1 and t.fused_reduction for t in paired)
+    tiles = [t for t in tiles if not t.pairs_warps]
     assert tiles[0] == current and len(set(tiles)) == len(tiles) == (6 if current.swap_ab else 5)
     assert {t.steady_loop for t in tiles} == {False, True}
     assert {t.chunks_first for t in tiles} == {False, True}
