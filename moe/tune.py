@@ -97,7 +97,7 @@ def candidate_tiles(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTile
                 if k == config.hidden_size and activation_finishable(config, tile):
                     variants += [attrs.evolve(variant, fused_reduction=True) for variant in variants]  # gemm1's activation
                 tiles += variants
-    return tiles
+    return list(dict.fromkeys(tiles))  # the families' paired variants overlap: each tile timed once
 
 
 def paired_decode(config: MoEConfig, k: int, tile: GemmTile) -> list[GemmTile]:

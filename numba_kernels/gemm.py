@@ -687,17 +687,18 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         @ptx.device
         def finish(acc, exchange, out, slots, num_slots, partner, gate_chunk, multiplier, first_row, lane):
             g, t = lane // 4, lane % 4
-            for r in range(2):
-                slot = slots[2 * t + r]
-                if slot < num_slots:
-                    shift = uint32(16 * r)
-                    for q in range(2):
-                        for h in range(2):
-                            own = pack2(acc[keep + q, 0, 2 * h] * multiplier, acc[keep + q, 0, 2 * h + 1] * multiplier)
-                            other = exchange[((partner * 2 + q) * 2 + h) * 32 + lane]
-                            gate, up = (other, own) if is_up else (own, other)
+            first_slot, second_slot = slots[2 * t], slots[2 * t + 1]
+            for q in range(2):
+                for h in range(2):
+                    own = pack2(acc[keep + q, 0, 2 * h] * multiplier, acc[keep + q, 0, 2 * h + 1] * multiplier)
+                    other = exchange[((partner * 2 + q) * 2 + h) * 32 + lane]
+                    gate, up = (other, own) if is_up else (own, other)
+                    col = uint32(gate_chunk * CHUNK_N + 16 * (keep + q) + 8 * h) + uint32(g)
+                    for r in range(2):  # the word's low half is slot 2t, its high half slot 2t + 1
+                        slot = first_slot if r == 0 else second_slot
+                        if slot < num_slots:
+                            shift = uint32(16 * r)
                             value = apply(ZERO + half_to_f32(gate >> shift), ZERO + half_to_f32(up >> shift))
-                            col = uint32(gate_chunk * CHUNK_N + 16 * (keep + q) + 8 * h) + uint32(g)
                             out[uint32(slot), col] = int16(to_half(value))
 
         return hand_over, finish
