@@ -58,17 +58,19 @@ from numba_kernels import interop
 from numba_kernels.fragments import SLAB_K, fast_path_supported
 from numba_kernels.epilogue import activation_fusable, activation_kind, combine_kind
 from numba_kernels.gemm import GemmTile, make_grouped_gemm, pair_loads, paired_activation, prefill_supported
-from numba_kernels.route_align import fusable
+from numba_kernels.route_align import max_lanes
 
 from .config import MoEConfig
 
 TUNED_DIR = Path(__file__).parent / "tuned"
 DECODE_TOKENS_PER_EXPERT = 16
 SWAP_TOKENS_PER_EXPERT = 4
-FUSED_ROUTING_TOKENS = 4
-"""Up to this many tokens one block routes and aligns them in one launch (`route_align`):
-it routes tokens one after another, so the launch it saves (about 2 us) stops paying
-after a few tokens. An estimate from the separately measured kernels, not yet timed."""
+FUSED_ROUTING_TOKENS = 16
+"""Up to this many tokens, and no more than one block routes side by side
+(`route_align.max_lanes`), routing and alignment run as one launch (`route_align`). In one
+pass the block beats the two launches; with two passes one SM routes what 16 blocks route
+in parallel, and loses (H200, each kernel replayed alone: Qwen3 M = 16, two passes of 8
+lanes, 14.4 us against 5.0 + 6.9 us; Mixtral M = 16, one pass, 6.6 against 4.4 + 6.5)."""
 
 
 @attrs.frozen
@@ -199,8 +201,9 @@ def fused_combine_kind(config: MoEConfig, tile: GemmTile) -> tuple | None:
 
 
 def fused_routing(config: MoEConfig, num_tokens: int) -> bool:
-    """Whether routing and alignment of `num_tokens` tokens run as one launch."""
-    return num_tokens <= FUSED_ROUTING_TOKENS and fusable(config.num_experts)
+    """Whether routing and alignment of `num_tokens` tokens run as one launch (in one pass
+    of the block's lanes)."""
+    return num_tokens <= min(FUSED_ROUTING_TOKENS, max_lanes(config.routing, config.num_experts))
 
 
 def shape_key(config: MoEConfig, spec: QuantSpec) -> str:

@@ -52,7 +52,7 @@ import functools
 import attrs
 import numpy as np
 import torch
-from numba import cuda, int32
+from numba import cuda, int32, uint32
 
 from . import interop, ptx
 from .launch import launch_kernel
@@ -263,6 +263,89 @@ def make_tile_aligner(num_experts: int, block_size: int, threads: int, map_mode:
             cuda.syncthreads()
 
     return align_tile
+
+
+ROUTED_TOKENS = 32
+"""Tokens `make_routed_aligner` takes: a bit per token in a uint32 per expert."""
+
+
+@functools.cache
+def make_routed_aligner(num_experts: int, block_size: int, top_k: int, threads: int, map_mode: str):
+    """Device function align_routed(slot_ids, n, expert_map, sorted_ids, expert_ids,
+    num_post, padded_len, block_count): a block of `threads` >= E threads aligns the
+    n = M * top_k slots of at most ROUTED_TOKENS tokens whose ids, *distinct within each
+    token* (a router's top-k), are in `slot_ids`; the outputs of `make_tile_aligner`. Every
+    thread must call it; `map_mode` is "none" or "map".
+
+    The decode case. Distinct ids make an expert's slots one per token, so a bit mask of
+    tokens per expert (set with shared atomics) gives everything: its count (popc), and a
+    slot's rank among its expert's slots (popc of the bits of earlier tokens). The offsets
+    are the padded counts scanned in chunks of 32 experts as in `make_tile_aligner`. Three
+    barriers, no loop over the slots."""
+    if map_mode not in ("none", "map"):
+        raise ValueError(f"map_mode must be 'none' or 'map', got {map_mode!r}")
+    if threads < num_experts:
+        raise ValueError(f"threads must be >= the number of experts ({num_experts}), got {threads}")
+    experts, mapped, u = num_experts, map_mode == "map", np.uint32
+    scan_chunks = -(-experts // SCAN_CHUNK)
+    chunk_start_mask = u(0xFFFFFFFF ^ (SCAN_CHUNK - 1))
+
+    @ptx.device
+    def padded_count(tokens):
+        return int32(u(cuda.popc(tokens) + (block_size - 1)) // u(block_size) * u(block_size))
+
+    @ptx.device
+    def offset_of(inclusive, token_mask, e):
+        """Where expert e's region starts: the padded counts of the experts before it."""
+        s, before = inclusive[e] - padded_count(token_mask[e]), e // u(SCAN_CHUNK)
+        for c in range(scan_chunks - 1):
+            s += inclusive[c * SCAN_CHUNK + SCAN_CHUNK - 1] if u(c) < before else int32(0)
+        return s
+
+    @ptx.device
+    def align_routed(slot_ids, n, expert_map, sorted_ids, expert_ids, num_post, padded_len, block_count):
+        token_mask = cuda.shared.array(experts, uint32)  # bit t: token t chose the expert
+        inclusive = cuda.shared.array(experts, int32)  # inclusive prefix of padded counts in a scan chunk
+        tid = u(cuda.threadIdx.x)
+        if tid < experts:
+            token_mask[tid] = u(0)
+        cuda.syncthreads()
+        x, token = int32(-1), tid // u(top_k)
+        if tid < n:
+            x = int32(slot_ids[tid])
+            if x < 0 or x >= experts:
+                x = int32(-1)
+            else:
+                cuda.atomic.or_(token_mask, x, u(1) << token)
+        cuda.syncthreads()
+        if tid < experts:
+            first, s = tid & chunk_start_mask, int32(0)
+            for j in range(SCAN_CHUNK):
+                e = first + u(j)
+                s += padded_count(token_mask[e]) if e <= tid else int32(0)
+            inclusive[tid] = s
+        cuda.syncthreads()
+        if x >= 0:
+            earlier = token_mask[x] & ((u(1) << token) - u(1))
+            sorted_ids[offset_of(inclusive, token_mask, u(x)) + cuda.popc(earlier)] = int32(tid)
+        total = int32(0)
+        for c in range(scan_chunks):
+            total += inclusive[min(c * SCAN_CHUNK + SCAN_CHUNK - 1, experts - 1)]
+        if tid < experts:  # the expert's blocks and its padding
+            start, count = offset_of(inclusive, token_mask, tid), cuda.popc(token_mask[tid])
+            size = padded_count(token_mask[tid])
+            for q in range(u(start) // u(block_size), u(start + size) // u(block_size)):
+                expert_ids[q] = expert_map[tid] if mapped else int32(tid)
+            for p in range(start + count, start + size):
+                sorted_ids[p] = n
+        for q in range(total // block_size + int32(tid), block_count, threads):
+            expert_ids[q] = -1
+        for p in range(total + int32(tid), padded_len, threads):
+            sorted_ids[p] = n
+        if tid == 0:
+            num_post[0] = total
+
+    return align_routed
 
 
 def _check_out(out, lengths):

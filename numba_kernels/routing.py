@@ -17,8 +17,9 @@ the logits when there is no bias makes the order exact (float32 logits are exact
 float64 reference; float32 scores could round distinct logits to one value). NaN keys rank
 as -inf. Weights of experts whose scores sum to 0 (sigmoid of logits below about -88) are NaN.
 
-Work split: one block per token, T = next power of two >= E threads (E <= 1024), thread e
-owns expert e. No warp shuffles (the simulator has none): top-k is a *rank count*. Each
+Work split: one *lane* of T = next power of two >= E threads per token (E <= 1024),
+thread e of the lane owns expert e. `route` launches a block of one lane per token; the
+fused decode block (`route_align`) holds several lanes, so its tokens route side by side. No warp shuffles (the simulator has none): top-k is a *rank count*. Each
 (key, index) is packed into one uint64 whose unsigned order is the selection order
 (`sort_key`), so "a beats b" is one integer compare and the ranks of distinct packed keys
 are a permutation. Three rounds, so that no thread compares against all E experts:
@@ -38,7 +39,8 @@ the denominator). Measured on an H200, back-to-back launches (about 2 us of whic
 launch itself): 3.5 us per launch for DeepSeek-V3 routing at M = 1
 (2.4 us for E = 128 softmax), 22 us at M = 4096 (9 us for E = 128). Memory traffic: the
 logits row is read once, the bias once, k weights and ids written; the rest lives in
-shared memory (about 16 E bytes plus 8 bytes per candidate).
+shared memory (`RouterShape.shared_bytes`: about 16 E bytes plus 8 bytes per candidate
+per lane).
 """
 
 from __future__ import annotations
@@ -180,25 +182,26 @@ def _plus(a, b):
 
 
 @functools.cache
-def _block_reduction(threads: int, combine):
-    """Device function (buffer, tid, value) -> `combine` over the block's values, in tree
-    order (so the result is deterministic); every thread must call it."""
+def _lane_reduction(threads: int, combine):
+    """Device function (buffer, lane, e, value) -> `combine` over the values of one lane's
+    `threads` threads, in tree order (so the result is deterministic); every thread of the
+    block must call it (`buffer` is (lanes, threads))."""
 
     @ptx.device
-    def block_reduce(buffer, tid, value):
-        buffer[tid] = value
+    def lane_reduce(buffer, lane, e, value):
+        buffer[lane, e] = value
         cuda.syncthreads()
         stride = threads // 2
         while stride > 0:
-            if tid < stride:
-                buffer[tid] = combine(buffer[tid], buffer[tid + stride])
+            if e < stride:
+                buffer[lane, e] = combine(buffer[lane, e], buffer[lane, e + stride])
             cuda.syncthreads()
             stride //= 2
-        result = buffer[0]
+        result = buffer[lane, 0]
         cuda.syncthreads()
         return result
 
-    return block_reduce
+    return lane_reduce
 
 
 @ptx.device
@@ -219,67 +222,109 @@ def index_of(packed):
     return int32(uint32(0xFFFFFFFF) - uint32(packed & uint64(0xFFFFFFFF)))
 
 
+@attrs.frozen
+class RouterShape:
+    """How the routing of one token is split over its threads (module docstring): the
+    first round's chunks, the candidate slots, and the shared memory a token takes."""
+
+    config: RoutingConfig
+    num_experts: int
+
+    @property
+    def threads(self) -> int:
+        return block_threads(self.num_experts)
+
+    @property
+    def groups(self) -> int:
+        return self.config.num_expert_group if self.config.grouped else 1
+
+    @property
+    def chunk(self) -> int:
+        return self.num_experts // self.groups if self.config.grouped else min(self.num_experts, CHUNK)
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.num_experts // self.chunk)
+
+    @property
+    def per_chunk(self) -> int:
+        """Candidates a chunk can hold."""
+        return min(self.config.top_k, self.chunk)
+
+    @property
+    def shared_bytes(self) -> int:
+        """Shared memory of one token's routing (the arrays of `make_token_router`)."""
+        padded_experts, candidates = self.chunks * self.chunk, self.chunks * self.per_chunk
+        return (4 * self.num_experts + 8 * padded_experts + 4 * self.threads + 8 * candidates
+                + 20 * self.groups + 8 * self.config.top_k)
+
+
 @functools.cache
 def make_routing_kernel(config: RoutingConfig, num_experts: int, logits_dtype: str, bias_dtype: str | None):
     """Kernel (logits (M, E), bias (E,) or any stand-in, weights (M * k,) float32, ids
     (M * k,) int32), launched with one block of `block_threads(E)` threads per token."""
-    route_token = make_token_router(config, num_experts, logits_dtype, bias_dtype)
+    route_one = make_token_router(config, num_experts, logits_dtype, bias_dtype, 1)
 
     @ptx.kernel(launch_bounds=block_threads(num_experts))
-    def route_tokens(logits, bias, weights_out, ids_out):
-        route_token(logits, bias, weights_out, ids_out, cuda.blockIdx.x)
+    def routing(logits, bias, weights_out, ids_out):
+        route_one(logits, bias, weights_out, ids_out, int32(cuda.blockIdx.x))
 
-    return route_tokens
+    return routing
 
 
 @functools.cache
-def make_token_router(config: RoutingConfig, num_experts: int, logits_dtype: str, bias_dtype: str | None):
-    """Device function route_token(logits, bias, weights_out, ids_out, token): the block
-    (of `block_threads(E)` threads) routes one token into the flat (M * k,) outputs; every
-    thread must call it."""
+def make_token_router(config: RoutingConfig, num_experts: int, logits_dtype: str, bias_dtype: str | None,
+                      lanes: int):
+    """Device function route_tokens(logits, bias, weights_out, ids_out, first): a block of
+    `lanes * block_threads(E)` threads routes tokens first .. first + lanes - 1 (those
+    below M) into the flat (M * k,) outputs, one token per lane of threads, side by side;
+    every thread must call it."""
     config.check_experts(num_experts)
     if num_experts > MAX_EXPERTS:
         raise ValueError(f"the number of experts must be <= {MAX_EXPERTS}, got {num_experts}")
-    experts, top_k, threads = num_experts, config.top_k, block_threads(num_experts)
+    shape = RouterShape(config, num_experts)
+    experts, top_k, threads = num_experts, config.top_k, shape.threads
     grouped, has_bias = config.grouped, bias_dtype is not None
-    groups = config.num_expert_group if grouped else 1
+    groups, chunk, chunks, per_chunk = shape.groups, shape.chunk, shape.chunks, shape.per_chunk
     topk_group = config.topk_group if grouped else 1
-    chunk = experts // groups if grouped else min(experts, CHUNK)
-    chunks = -(-experts // chunk)
     padded_experts = chunks * chunk  # a partial last chunk is padded with (-inf, index >= E)
-    per_chunk = min(top_k, chunk)  # candidates a chunk can hold
-    candidate_slots, group_top_shape = chunks * per_chunk, (groups, 2)
-    chunk_u, per_chunk_u = np.uint32(chunk), np.uint32(per_chunk)
+    candidate_slots = chunks * per_chunk
+    chunk_u, per_chunk_u, threads_u = np.uint32(chunk), np.uint32(per_chunk), np.uint32(threads)
     softmax = config.scoring == "softmax"
     normalized_softmax = softmax and (has_bias or not config.renormalize)  # needs the denominator
     renormalize, scale = config.renormalize, float32(config.routed_scaling_factor)
     pair_group_score = has_bias and chunk > 1
     decode_logit, read_bias = _decoder(logits_dtype), _bias_reader(bias_dtype)
-    block_max, block_sum = _block_reduction(threads, _larger), _block_reduction(threads, _plus)
+    lane_max, lane_sum = _lane_reduction(threads, _larger), _lane_reduction(threads, _plus)
     neg_inf = float32(-np.inf)
 
     @ptx.device
-    def route_token(logits, bias, weights_out, ids_out, token):
-        logit = cuda.shared.array(experts, float32)
-        expert_key = cuda.shared.array(padded_experts, uint64)
-        reduce_buffer = cuda.shared.array(threads, float32)
-        candidate = cuda.shared.array(candidate_slots, uint64)
-        group_top = cuda.shared.array(group_top_shape, float32)
-        group_key = cuda.shared.array(groups, uint64)
-        group_kept = cuda.shared.array(groups, int32)
-        chosen = cuda.shared.array(top_k, int32)
-        chosen_weight = cuda.shared.array(top_k, float32)
-        e = uint32(cuda.threadIdx.x)  # thread e owns expert e
+    def route_tokens(logits, bias, weights_out, ids_out, first):
+        logit = cuda.shared.array((lanes, experts), float32)
+        expert_key = cuda.shared.array((lanes, padded_experts), uint64)
+        reduce_buffer = cuda.shared.array((lanes, threads), float32)
+        candidate = cuda.shared.array((lanes, candidate_slots), uint64)
+        group_top = cuda.shared.array((lanes, groups, 2), float32)
+        group_key = cuda.shared.array((lanes, groups), uint64)
+        group_kept = cuda.shared.array((lanes, groups), int32)
+        chosen = cuda.shared.array((lanes, top_k), int32)
+        chosen_weight = cuda.shared.array((lanes, top_k), float32)
+        tid = uint32(cuda.threadIdx.x)
+        lane, e = tid // threads_u, tid % threads_u  # thread e of the lane owns expert e
+        tokens = logits.shape[0]
+        token = first + int32(lane)
+        row = min(token, tokens - 1)  # a lane past the last token repeats it and writes nothing
 
         # Score and selection key of this thread's expert.
         x = neg_inf
         if e < experts:
-            x = decode_logit(logits[token, e])
-            logit[e] = x
+            x = decode_logit(logits[row, e])
+            logit[lane, e] = x
         shift, inv_total = float32(0.0), float32(1.0)
         if normalized_softmax:
-            shift = block_max(reduce_buffer, e, x)
-            inv_total = float32(1.0) / block_sum(reduce_buffer, e, math.exp(x - shift) if e < experts else float32(0.0))
+            shift = lane_max(reduce_buffer, lane, e, x)
+            inv_total = float32(1.0) / lane_sum(reduce_buffer, lane, e,
+                                                math.exp(x - shift) if e < experts else float32(0.0))
         key = x
         if has_bias and e < experts:
             if softmax:
@@ -287,76 +332,76 @@ def make_token_router(config: RoutingConfig, num_experts: int, logits_dtype: str
             else:
                 key = float32(1.0) / (float32(1.0) + math.exp(-x)) + read_bias(bias, e)
         if e < padded_experts:
-            expert_key[e] = sort_key(key, e)
+            expert_key[lane, e] = sort_key(key, e)
         cuda.syncthreads()
 
         # Round 1: rank within the chunk -> sorted candidate slots (and group tops).
         if e < padded_experts:
-            mine = expert_key[e]
+            mine = expert_key[lane, e]
             c = e // chunk_u
-            first = c * chunk_u
+            first_expert = c * chunk_u
             rank = uint32(0)
             for j in range(chunk):
-                rank += uint32(expert_key[first + uint32(j)] > mine)
+                rank += uint32(expert_key[lane, first_expert + uint32(j)] > mine)
             if rank < per_chunk:
-                candidate[c * per_chunk_u + rank] = mine
+                candidate[lane, c * per_chunk_u + rank] = mine
             if grouped and rank < 2:
-                group_top[c, rank] = key
+                group_top[lane, c, rank] = key
         cuda.syncthreads()
 
         # Round 2: keep the best `topk_group` groups.
         if grouped:
             if e < groups:
-                score = group_top[e, 0]
+                score = group_top[lane, e, 0]
                 if pair_group_score:
-                    score += group_top[e, 1]
-                group_key[e] = sort_key(score, e)
+                    score += group_top[lane, e, 1]
+                group_key[lane, e] = sort_key(score, e)
             cuda.syncthreads()
             if e < groups:
-                mine = group_key[e]
+                mine = group_key[lane, e]
                 rank = uint32(0)
                 for h in range(groups):
-                    rank += uint32(group_key[h] > mine)
-                group_kept[e] = 1 if rank < topk_group else 0
+                    rank += uint32(group_key[lane, h] > mine)
+                group_kept[lane, e] = 1 if rank < topk_group else 0
             cuda.syncthreads()
 
         # Round 3: rank among the candidates of kept groups -> output column.
-        if e < candidate_slots and (not grouped or group_kept[e // per_chunk_u] != 0):
-            mine = candidate[e]
+        if e < candidate_slots and (not grouped or group_kept[lane, e // per_chunk_u] != 0):
+            mine = candidate[lane, e]
             rank = uint32(0)
             for other in range(chunks):
-                if grouped and group_kept[other] == 0:
+                if grouped and group_kept[lane, other] == 0:
                     continue
                 for s in range(per_chunk):
-                    rank += uint32(candidate[other * per_chunk + s] > mine)
+                    rank += uint32(candidate[lane, other * per_chunk + s] > mine)
             if rank < top_k:
-                chosen[rank] = index_of(mine)
+                chosen[lane, rank] = index_of(mine)
         cuda.syncthreads()
 
         # Weights: the unbiased scores, renormalized, scaled.
         if e < top_k:
-            x = logit[chosen[e]]
+            x = logit[lane, chosen[lane, e]]
             if not softmax:
                 w = float32(1.0) / (float32(1.0) + math.exp(-x))
             elif normalized_softmax:
                 w = math.exp(x - shift) * inv_total
             else:
-                w = math.exp(x - logit[chosen[0]])  # renormalized below: the denominator cancels
-            chosen_weight[e] = w
+                w = math.exp(x - logit[lane, chosen[lane, 0]])  # renormalized below: the denominator cancels
+            chosen_weight[lane, e] = w
         if renormalize:
             cuda.syncthreads()
-        if e < top_k:
-            w = chosen_weight[e]
+        if e < top_k and token < tokens:
+            w = chosen_weight[lane, e]
             if renormalize:
                 total = float32(0.0)
                 for j in range(top_k):
-                    total += chosen_weight[j]
+                    total += chosen_weight[lane, j]
                 w = w / total
             weights_out[token * top_k + e] = w * scale
-            ids_out[token * top_k + e] = chosen[e]
-        cuda.syncthreads()  # the shared arrays are reused by the block's next token
+            ids_out[token * top_k + e] = chosen[lane, e]
+        cuda.syncthreads()  # the shared arrays are reused by the block's next tokens
 
-    return route_token
+    return route_tokens
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
