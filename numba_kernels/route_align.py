@@ -6,9 +6,9 @@ with the routing code (`routing.make_token_router`), several side by side, one l
 `block_threads(E)` threads per token, into a shared array of slot ids; then, after the
 routing's last barrier, it copies the ids out and aligns them straight from shared memory
 with the decode aligner (`align.make_routed_aligner`: a router's ids are distinct within a
-token, so a bit mask of tokens per expert ranks the slots). Outputs and
-tie rules are exactly those of `route` followed by `moe_align_block_size`; the backend
-oracle picks this path up to `oracle.FUSED_ROUTING_TOKENS` tokens routed in one pass.
+token, so a bit mask of tokens per expert ranks the slots). Outputs and tie rules are
+exactly those of `route` followed by `moe_align_block_size`; the backend oracle picks this
+path up to `oracle.FUSED_ROUTING_TOKENS` tokens routed in one pass.
 
 The lanes share the block's static shared memory, so their number is bounded per routing
 config (`max_lanes`): 32 for Mixtral's 8 experts, 8 for Qwen3-30B-A3B's 128, 4 for

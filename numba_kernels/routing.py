@@ -19,7 +19,8 @@ as -inf. Weights of experts whose scores sum to 0 (sigmoid of logits below about
 
 Work split: one *lane* of T = next power of two >= E threads per token (E <= 1024),
 thread e of the lane owns expert e. `route` launches a block of one lane per token; the
-fused decode block (`route_align`) holds several lanes, so its tokens route side by side. No warp shuffles (the simulator has none): top-k is a *rank count*. Each
+fused decode block (`route_align`) holds several lanes, so its tokens route side by side.
+No warp shuffles (the simulator has none): top-k is a *rank count*. Each
 (key, index) is packed into one uint64 whose unsigned order is the selection order
 (`sort_key`), so "a beats b" is one integer compare and the ranks of distinct packed keys
 are a permutation. Three rounds, so that no thread compares against all E experts:
