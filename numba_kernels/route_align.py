@@ -24,18 +24,18 @@ from numba import cuda, int32
 
 from . import ptx
 from .align import ROUTED_TOKENS, check_alignment, make_routed_aligner
-from .launch import launch_kernel
+from .launch import STATIC_SHARED_BYTES, launch_kernel
 from .routing import RouterShape, RoutingConfig, block_threads, check_routing, make_token_router
-
-SHARED_BYTES = 48000
-"""Static shared memory the fused block may take (under the 48 KiB static limit)."""
 
 
 def _fits(shape: RouterShape, lanes: int) -> bool:
-    threads = lanes * shape.threads  # then the slot ids (a word per thread) and the aligner's two per expert
-    return threads <= 1024 and lanes * shape.shared_bytes + 4 * threads + 8 * shape.num_experts <= SHARED_BYTES
+    threads = lanes * shape.threads
+    # the lanes, then the slot ids (a word per thread) and the aligner's two words per expert
+    shared = lanes * shape.shared_bytes + 4 * threads + 8 * shape.num_experts
+    return threads <= 1024 and shared <= STATIC_SHARED_BYTES
 
 
+@functools.cache  # the oracle asks on every forward
 def max_lanes(config: RoutingConfig, num_experts: int) -> int:
     """The most tokens one fused block routes side by side (0: not even one fits)."""
     shape = RouterShape(config, num_experts)

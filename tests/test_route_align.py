@@ -11,7 +11,8 @@ from moe import MoEConfig
 from moe.oracle import fused_routing
 from numba_kernels import interop
 from numba_kernels.align import align_sizes, moe_align_block_size
-from numba_kernels.route_align import SHARED_BYTES, max_lanes, max_tokens, route_and_align
+from numba_kernels.launch import STATIC_SHARED_BYTES
+from numba_kernels.route_align import max_lanes, max_tokens, route_and_align
 from numba_kernels.routing import RouterShape, RoutingConfig, block_threads, route
 
 DEVICE = interop.kernel_device()
@@ -94,11 +95,11 @@ def test_lanes_fit_the_static_shared_memory():
         lanes, threads = max_lanes(config, experts), block_threads(experts)
         assert lanes == expected
 
-        def shared(lanes):  # the routing lanes, then a slot id, expert and size per thread
+        def shared(lanes):  # the routing lanes, then a slot id per thread and the aligner's two words per expert
             return lanes * RouterShape(config, experts).shared_bytes + 4 * lanes * threads + 8 * experts
 
-        assert lanes * threads <= 1024 and shared(lanes) <= SHARED_BYTES
-        assert (lanes + 1) * threads > 1024 or shared(lanes + 1) > SHARED_BYTES
+        assert lanes * threads <= 1024 and shared(lanes) <= STATIC_SHARED_BYTES
+        assert (lanes + 1) * threads > 1024 or shared(lanes + 1) > STATIC_SHARED_BYTES
 
 
 def test_the_oracle_fuses_routing_done_in_one_pass():
