@@ -34,11 +34,11 @@ last CTAs, `numba_kernels.epilogue`; a gemm1 of paired warps, prefill or decode 
 warps_n >= 2 and no K split, the activation in its epilogue, `gemm.paired_activation`)
 and `steady_loop` (whole batches without per-slab range checks: on the H200, 2026-11-24,
 NVFP4 gemm1 3 % to 8 % faster, deferred 4-bit codes slower at 168 registers; 16-slot
-tiles at 8 to 16 slots per expert 9 % to 24 % faster) are set only by the tuner. Measured on the H200
-(2026-11-23, fused on every decode tile): the layer 0.9 to 3 us faster at M = 1 on Qwen3
-and Mixtral, but 3 to 85 us slower at M = 4 to 16 and on DeepSeek, where grids of several
-waves pay each CTA's longer tail (fence, counter, reduction) once per wave; so the
-heuristic never fuses.
+tiles at 8 to 16 slots per expert 9 % to 24 % faster) are set only by the tuner.
+Measured on the H200 (2026-11-23, fused on every decode tile): the layer 0.9 to 3 us
+faster at M = 1 on Qwen3 and Mixtral, but 3 to 85 us slower at M = 4 to 16 and on
+DeepSeek, where grids of several waves pay each CTA's longer tail (fence, counter,
+reduction) once per wave; so the heuristic never fuses.
 
 The batched layout (tokens laid out expert by expert, as expert parallelism ships them;
 `moe.batched`) uses the same tiles, chosen from the expected tokens per expert.

@@ -166,7 +166,8 @@ def test_tiles_of_paired_warps_finish_only_an_activation_they_can_pair():
         grouped_gemm(act, weights, *alignment, **call, partial_output=True, then=silu)
     swapped = moe_align_block_size(torch.tensor([[0, 1], [2, 3], [1, 2]], dtype=torch.int32, device=act.device), 8, 4,
                                    check_ids=False)
-    for then in (FusedCombine(topk_weights, combined, arrivals()), FusedActivation(Activation("swigluoai"), out, arrivals())):
+    for then in (FusedCombine(topk_weights, combined, arrivals()),
+                 FusedActivation(Activation("swigluoai"), out, arrivals())):
         with pytest.raises(ValueError, match="finishes only a gated"):  # decode pairs: no counters either
             grouped_gemm(act, weights, *swapped, num_slots=6, tile=SWAP_PAIRED, then=then)
     with pytest.raises(ValueError, match="steady_loop is for decode tiles"):
