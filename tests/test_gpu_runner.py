@@ -104,6 +104,14 @@ def test_two_streams_compute_independently(layer):
         assert _error(out, _reference(layer, hidden, logits)) < 2e-2
 
 
+def test_inputs_off_the_gpu_are_refused_by_name(layer):
+    hidden, logits = _inputs(layer.config, 2, 6)
+    with pytest.raises(ValueError, match=r"hidden_states must be on cuda:\d"):
+        layer(hidden.cpu(), logits)
+    with pytest.raises(ValueError, match=r"router_logits must be on cuda:\d"):
+        layer(hidden, logits.cpu())
+
+
 def test_checkpoint_conversion_needs_about_one_expert_of_extra_memory():
     config = MoEConfig(num_experts=8, top_k=2, hidden_size=2048, intermediate_size=768,
                        quant=QuantScheme("gptq", group_size=128))

@@ -1,7 +1,6 @@
 """A recorded launch replays exactly as the ordinary Numba launch ran, with arrays
 re-pointed in place, and costs far less host time on the GPU."""
 
-import contextlib
 import time
 
 import numpy as np
@@ -151,11 +150,13 @@ def _early_consumer(source, out):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("in_graph", [False, True])
-def test_an_early_launched_kernel_waits_for_the_kernel_before_it(in_graph):
+@pytest.mark.parametrize("where", ["stream", "streams", "graph"])
+def test_an_early_launched_kernel_waits_for_the_kernel_before_it(where):
     """A kernel launched with `waits=True` may start while its predecessor runs (on
-    Hopper: `Launcher.early`), and still reads what that predecessor wrote, eagerly and
-    from a CUDA graph. Without the wait the consumer reads the producer's old values."""
+    Hopper: `Launcher.early`), and still reads what that predecessor wrote: eagerly on one
+    stream, on a stream that changes between launches (the early launch keeps its stream
+    in its configuration), and from a CUDA graph. Without the wait the consumer reads the
+    producer's old values."""
     n = 4096
     data, result, value_in = torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda"), torch.ones(1, device="cuda")
     to = interop.to_kernel
@@ -165,15 +166,19 @@ def test_an_early_launched_kernel_waits_for_the_kernel_before_it(in_graph):
     torch.cuda.synchronize()
     producer, consumer = (Launcher(call) for call in calls)
     assert consumer.early == (ptx.hopper() and launch.EARLY_LAUNCH) and not producer.early
-    for value in (2.0, 3.0):
+    side = torch.cuda.Stream()
+    for value in (2.0, 3.0, 4.0):
         value_in.fill_(value)
         data.zero_()
-        graph = torch.cuda.CUDAGraph() if in_graph else None
-        with torch.cuda.graph(graph) if in_graph else contextlib.nullcontext():
-            stream = interop.launch_stream_handle()  # the capturing stream inside the graph
-            producer.launch(stream)
-            consumer.launch(stream)
-        if in_graph:
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph() if where == "graph" else None
+        stream = side if where == "streams" and value == 3.0 else torch.cuda.current_stream()
+        with torch.cuda.graph(graph) if graph else torch.cuda.stream(stream):
+            handle = interop.launch_stream_handle()  # the capturing stream inside the graph
+            assert handle == torch.cuda.current_stream().cuda_stream
+            producer.launch(handle)
+            consumer.launch(handle)
+        if graph:
             graph.replay()
         torch.cuda.synchronize()
         assert torch.all(result == value + 1.0), f"read {result.unique().tolist()}"
