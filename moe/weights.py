@@ -65,6 +65,7 @@ class ExpertWeights:
         self.w2 = KernelWeights.from_physical(self.spec, self._w2, self.w2_shape)
         self._scratch: dict[tuple[str, str], torch.Tensor] = {}
         self.loaded = np.zeros(experts, dtype=bool)
+        self._all_loaded = False  # once True, stays (loading never unloads an expert)
 
     def _on_device(self, role: str, physical: Mapping) -> dict[str, torch.Tensor]:
         """Copy one expert's checkpoint tensors into reusable device scratch buffers."""
@@ -167,10 +168,13 @@ class ExpertWeights:
         self._scratch.clear()
 
     def check_loaded(self) -> None:
+        if self._all_loaded:  # asked on every forward: the array is looked at until it is full
+            return
         if not self.loaded.all():
             missing = np.flatnonzero(~self.loaded)
             raise RuntimeError(f"experts {missing[:8].tolist()}{'...' if missing.size > 8 else ''} have no weights: "
                                "call load_expert or load first")
+        self._all_loaded = True
 
 
 def process_weights_after_loading(config: MoEConfig, w1: Mapping, w2: Mapping, w3: Mapping | None = None) -> ExpertWeights:
