@@ -1,0 +1,88 @@
+"""What one kernel running both decode GEMMs could gain at best, on the GPU:
+
+    python3 benchmarks/overlap_bound.py --shapes qwen3 mixtral
+
+Such a kernel would let gemm2's CTAs stream their weights while gemm1 runs, then wait for
+gemm1's output. Nothing of that kind can beat the two tuned GEMMs (each with its
+reduction, as the layer runs them) launched on two streams with no dependency at all,
+which this times from one CUDA graph beside the two in sequence (the benchmark's GEMMs
+column), each alone, and plain reads of their bytes in two kernels and in one. Timed as
+`bench_moe` times (L2 flushed, median); gemm2 reads whatever its intermediate buffer holds
+(the result is not the layer's, only the time counts). BENCHMARKS.md, thirty-fifth session.
+"""
+
+import argparse
+
+import torch
+
+import numba_kernels  # noqa: F401  (before numba: no simulator on a GPU machine)
+from bench_moe import FORMATS, SHAPES, Timer, captured, gemm_bytes, routing_for
+from moe import MoEConfig, MoELayer, check_inputs, prepare
+from moe.runner import fused_activation, fused_combine
+from numba_kernels.gemm import grouped_gemm
+from numba_kernels.launch import replaying
+from reads import PlainReads
+
+
+def gemm_replays(layer: MoELayer, tokens: int, generator: torch.Generator):
+    """gemm1 and gemm2 of a routed batch of `tokens`, each a `Replay`, their bytes, and the
+    tensors they read beside the workspace (a `Replay` holds addresses: keep these alive)."""
+    config = layer.config
+    hidden = torch.randn(tokens, config.hidden_size, generator=generator, device="cuda").to(torch.bfloat16)
+    _, topk_weights, topk_ids = routing_for(config, tokens, generator)
+    inputs = check_inputs(config, layer.weights, layer.workspace, hidden, topk=(topk_weights, topk_ids),
+                          check_ids=False)
+    prepared = prepare(config, layer.weights, layer.workspace, inputs)
+    buffers, backend, slots = prepared.buffers, prepared.backend, topk_ids.numel()
+    alignment = (buffers.sorted_token_ids, buffers.expert_ids, buffers.num_tokens_post_padded)
+    then1 = fused_activation(config, backend.gemm1, buffers.intermediate, buffers.arrivals)
+    arrivals2 = torch.zeros_like(buffers.arrivals)  # side by side, two fused reductions must not share counters
+    then2 = fused_combine(config, backend.gemm2, prepared.topk_weights, buffers.output, arrivals2)
+    gemm1 = replaying(lambda: grouped_gemm(hidden, layer.weights.w13, *alignment, num_slots=slots,
+                                           tile=backend.gemm1, out=buffers.gemm1_out, then=then1))
+    gemm2 = replaying(lambda: grouped_gemm(buffers.intermediate, layer.weights.w2, *alignment, num_slots=slots,
+                                           tile=backend.gemm2, out=buffers.gemm2_out, then=then2,
+                                           alignment_ready=True))
+    held = (hidden, topk_weights, topk_ids, arrivals2)
+    return gemm1, gemm2, gemm_bytes(layer, int(torch.unique(topk_ids).numel())), held
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["qwen3"], choices=list(SHAPES))
+    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16])
+    args = parser.parse_args(argv)
+    timer, side = Timer(), torch.cuda.Stream()
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}; us: in sequence, concurrent (no dependency), gemm1 alone, gemm2 alone, "
+          "plain reads in two kernels, in one")
+    for shape in args.shapes:
+        for format_name in args.formats:
+            layer = MoELayer(MoEConfig(**SHAPES[shape], quant=FORMATS[format_name]), max_tokens=max(args.tokens))
+            layer.weights.fill_random(seed=1)
+            for tokens in args.tokens:
+                gemm1, gemm2, byte_counts, _held = gemm_replays(layer, tokens, generator)
+
+                def in_sequence():
+                    gemm1()
+                    gemm2()
+
+                def concurrent():
+                    main_stream = torch.cuda.current_stream()
+                    side.wait_stream(main_stream)
+                    gemm1()
+                    with torch.cuda.stream(side):
+                        gemm2()
+                    main_stream.wait_stream(side)
+
+                reads = [PlainReads(byte_counts), PlainReads([sum(byte_counts)])]  # their buffers stay alive
+                runs = (in_sequence, concurrent, gemm1, gemm2, *map(replaying, reads))
+                times = [timer(captured(run)) * 1e3 for run in runs]
+                print(f"{shape:8s} {format_name:11s} M={tokens:3d} " + " ".join(f"{t:7.1f}" for t in times), flush=True)
+            del layer
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
