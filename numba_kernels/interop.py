@@ -71,6 +71,9 @@ def launch_stream():
     return _external_stream(launch_stream_handle())
 
 
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent from CPU builds
+
+
 def launch_stream_handle() -> int:
     """torch's current CUDA stream as a raw handle, for `launch.Launcher` (0 when simulated).
     Asked of torch's C++ side directly where it can (as torch's own generated code does):
@@ -81,9 +84,6 @@ def launch_stream_handle() -> int:
     if _raw_stream is None:
         return torch.cuda.current_stream().cuda_stream
     return _raw_stream(torch._C._cuda_getDevice())
-
-
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 @functools.lru_cache(maxsize=64)
@@ -113,7 +113,8 @@ def check_tensor(name: str, value, *, dtype=None, shape=None, ndim=None, contigu
     if ndim is not None and tensor.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(tensor.shape)}")
     if shape is not None and tensor.shape != shape:  # equal: no per-axis look (a check per eager forward)
-        if tensor.dim() != len(shape) or any(want is not None and want != got for want, got in zip(shape, tensor.shape)):
+        if tensor.dim() != len(shape) or any(want is not None and want != got
+                                             for want, got in zip(shape, tensor.shape)):
             wanted = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
             raise ValueError(f"{name} must have shape {wanted}, got {tuple(tensor.shape)}")
     if contiguous and not tensor.is_contiguous():

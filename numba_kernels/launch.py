@@ -272,10 +272,10 @@ def replaying(fn) -> Replay:
 
 
 def _launch_config(grid: tuple, block: tuple, shared_bytes: int, early: bool):
-    """A `cuLaunchKernelEx` configuration (the stream is set per launch), with programmatic
-    stream serialisation allowed where `early`. Every replayed launch takes this entry
-    point: through cuda.bindings a prepared configuration costs less host time than
-    cuLaunchKernel's eleven arguments (3.4 against 4.2 us a launch on the H200's host)."""
+    """A `cuLaunchKernelEx` configuration (`Launcher.launch` sets its stream), with
+    programmatic stream serialisation allowed where `early`. Every replayed launch takes
+    this entry point: through cuda.bindings a prepared configuration costs less host time
+    than cuLaunchKernel's eleven arguments (3.4 against 4.2 us a launch, H200's host)."""
     from cuda.bindings import driver
 
     config = driver.CUlaunchConfig()
