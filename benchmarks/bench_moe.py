@@ -169,23 +169,44 @@ def gemm_bytes(layer: MoELayer, touched: int) -> tuple[int, int]:
     return tuple(int(stored.nbytes() / experts * touched) for stored in (layer.weights.w13, layer.weights.w2))
 
 
+def layer_gemms(layer: MoELayer, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                own_counters: bool = False):
+    """(gemm1, gemm2, backend) for a routed batch, aligned beforehand: the layer's two
+    grouped GEMMs as it launches them, each a function of `fused` (True: with the reduction
+    its tile finishes, as the layer runs it; False: partials or outputs only). gemm2 is
+    launched early where it may be (alignment_ready). `own_counters`: gemm2's fused
+    reduction counts arrivals in a buffer of its own, so that the two may run side by side."""
+    config = layer.config
+    inputs = check_inputs(config, layer.weights, layer.workspace, hidden, topk=(topk_weights, topk_ids),
+                          check_ids=False)
+    prepared = prepare(config, layer.weights, layer.workspace, inputs)
+    buffers, backend, slots = prepared.buffers, prepared.backend, topk_ids.numel()
+    alignment = (buffers.sorted_token_ids, buffers.expert_ids, buffers.num_tokens_post_padded)
+    arrivals2 = torch.zeros_like(buffers.arrivals) if own_counters else buffers.arrivals
+    then1 = fused_activation(config, backend.gemm1, buffers.intermediate, buffers.arrivals)
+    then2 = fused_combine(config, backend.gemm2, prepared.topk_weights, buffers.output, arrivals2)
+
+    def gemm1(fused: bool = True) -> None:
+        grouped_gemm(hidden, layer.weights.w13, *alignment, num_slots=slots, tile=backend.gemm1, out=buffers.gemm1_out,
+                     then=then1 if fused else None)
+
+    def gemm2(fused: bool = True) -> None:
+        grouped_gemm(buffers.intermediate, layer.weights.w2, *alignment, num_slots=slots, tile=backend.gemm2,
+                     out=buffers.gemm2_out, then=then2 if fused else None, alignment_ready=True)
+
+    return gemm1, gemm2, backend
+
+
 def bench_row(timer, layer, reference, tokens, generator, bandwidth, rate) -> dict:
     config = layer.config
     hidden = (torch.randn(tokens, config.hidden_size, generator=generator, device="cuda")).to(torch.bfloat16)
     logits, topk_weights, topk_ids = routing_for(config, tokens, generator)
-    inputs = check_inputs(config, layer.weights, layer.workspace, hidden, topk=(topk_weights, topk_ids), check_ids=False)
-    prepared = prepare(config, layer.weights, layer.workspace, inputs)
-    buffers, backend, slots = prepared.buffers, prepared.backend, topk_ids.numel()
-    alignment = (buffers.sorted_token_ids, buffers.expert_ids, buffers.num_tokens_post_padded)
-
-    then1 = fused_activation(config, backend.gemm1, buffers.intermediate, buffers.arrivals)
-    then2 = fused_combine(config, backend.gemm2, prepared.topk_weights, buffers.output, buffers.arrivals)
+    gemm1, gemm2, backend = layer_gemms(layer, hidden, topk_weights, topk_ids)
+    slots = topk_ids.numel()
 
     def gemms(fused=True):
-        grouped_gemm(hidden, layer.weights.w13, *alignment, num_slots=slots, tile=backend.gemm1, out=buffers.gemm1_out,
-                     then=then1 if fused else None)
-        grouped_gemm(buffers.intermediate, layer.weights.w2, *alignment, num_slots=slots, tile=backend.gemm2,
-                     out=buffers.gemm2_out, then=then2 if fused else None, alignment_ready=True)
+        gemm1(fused)
+        gemm2(fused)
 
     gemm_ms = timer(captured(replaying(gemms)))
     layer_ms = timer(captured(lambda: layer(hidden, logits)))

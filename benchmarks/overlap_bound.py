@@ -16,35 +16,10 @@ import argparse
 import torch
 
 import numba_kernels  # noqa: F401  (before numba: no simulator on a GPU machine)
-from bench_moe import FORMATS, SHAPES, Timer, captured, gemm_bytes, routing_for
-from moe import MoEConfig, MoELayer, check_inputs, prepare
-from moe.runner import fused_activation, fused_combine
-from numba_kernels.gemm import grouped_gemm
+from bench_moe import FORMATS, SHAPES, Timer, captured, gemm_bytes, layer_gemms, routing_for
+from moe import MoEConfig, MoELayer
 from numba_kernels.launch import replaying
 from reads import PlainReads
-
-
-def gemm_replays(layer: MoELayer, tokens: int, generator: torch.Generator):
-    """gemm1 and gemm2 of a routed batch of `tokens`, each a `Replay`, their bytes, and the
-    tensors they read beside the workspace (a `Replay` holds addresses: keep these alive)."""
-    config = layer.config
-    hidden = torch.randn(tokens, config.hidden_size, generator=generator, device="cuda").to(torch.bfloat16)
-    _, topk_weights, topk_ids = routing_for(config, tokens, generator)
-    inputs = check_inputs(config, layer.weights, layer.workspace, hidden, topk=(topk_weights, topk_ids),
-                          check_ids=False)
-    prepared = prepare(config, layer.weights, layer.workspace, inputs)
-    buffers, backend, slots = prepared.buffers, prepared.backend, topk_ids.numel()
-    alignment = (buffers.sorted_token_ids, buffers.expert_ids, buffers.num_tokens_post_padded)
-    then1 = fused_activation(config, backend.gemm1, buffers.intermediate, buffers.arrivals)
-    arrivals2 = torch.zeros_like(buffers.arrivals)  # side by side, two fused reductions must not share counters
-    then2 = fused_combine(config, backend.gemm2, prepared.topk_weights, buffers.output, arrivals2)
-    gemm1 = replaying(lambda: grouped_gemm(hidden, layer.weights.w13, *alignment, num_slots=slots,
-                                           tile=backend.gemm1, out=buffers.gemm1_out, then=then1))
-    gemm2 = replaying(lambda: grouped_gemm(buffers.intermediate, layer.weights.w2, *alignment, num_slots=slots,
-                                           tile=backend.gemm2, out=buffers.gemm2_out, then=then2,
-                                           alignment_ready=True))
-    held = (hidden, topk_weights, topk_ids, arrivals2)
-    return gemm1, gemm2, gemm_bytes(layer, int(torch.unique(topk_ids).numel())), held
 
 
 def main(argv=None) -> None:
@@ -62,7 +37,13 @@ def main(argv=None) -> None:
             layer = MoELayer(MoEConfig(**SHAPES[shape], quant=FORMATS[format_name]), max_tokens=max(args.tokens))
             layer.weights.fill_random(seed=1)
             for tokens in args.tokens:
-                gemm1, gemm2, byte_counts, _held = gemm_replays(layer, tokens, generator)
+                config = layer.config
+                hidden = torch.randn(tokens, config.hidden_size, generator=generator, device="cuda").to(torch.bfloat16)
+                _, topk_weights, topk_ids = routing_for(config, tokens, generator)
+                # The functions keep what the replays read alive (a `Replay` holds addresses only).
+                launch1, launch2, _ = layer_gemms(layer, hidden, topk_weights, topk_ids, own_counters=True)
+                gemm1, gemm2 = replaying(launch1), replaying(launch2)
+                byte_counts = gemm_bytes(layer, int(torch.unique(topk_ids).numel()))
 
                 def in_sequence():
                     gemm1()
