@@ -12,7 +12,8 @@ from .spec import QuantSpec
 
 
 def where(spec: QuantSpec, shape: tuple[int, int], n: int, k: int) -> tuple[str, int, int, int]:
-    """(tensor name, row, col, bit offset) of logical code (n, k) of a weight of `shape`."""
+    """(tensor name, row, col, bit offset) of logical code (n, k) of a weight of `shape`;
+    with `BitPack.places` the offset is its slot's, the bits are places[offset:offset + bits]."""
     if spec.sort_k_by_group:
         raise ValueError("act-order Marlin stores K in a data-dependent order; unpack to locate")
     row, col, shift = spec.weight.layout.locate(shape)(n, k)

@@ -6,10 +6,9 @@ Read each one as a formula on the logical codes (N, K) (the last step applies la
     awq:                 qweight = BitPack(4, cols, awq order) ∘ Transpose   (K, N/8)
     compressed_tensors:  weight_packed = BitPack(b, cols)                    (N, ceil(K/(32/b)))
     marlin:              qweight = BitPack(b, cols) ∘ Permute(weight perm) ∘ Tile(16, 16) ∘ Transpose
-    native:              marlin ∘ Pad(16, 64): the kernels' layout (NVFP4 too)
+    native:              marlin ∘ Pad(16, 64): the kernels' layout (NVFP4 too, bits placed)
     nvfp4:               weight_packed = BitPack(4, cols, bytes);  weight_scale = [Swizzle128x4]
     trtllm_fp4_moe:      rows: Permute(32-row shuffle) ∘ [InterleaveHalves]; scales then Swizzle128x4
-    native:              the kernel's own layout (numba_kernels reads it with 16-byte loads)
 
 Every format takes the MoE stacking (E, ...) in stride: transforms act on the last two axes.
 The byte-exactness of each is checked against the engines' own code in tests/test_golden.py.
@@ -97,6 +96,14 @@ def marlin_weight_perm(bits: int) -> tuple[int, ...]:
     return tuple(perm[c * width + interleave[s]] for c in range(len(perm) // width) for s in range(width))
 
 
+E2M1_HALF_PLACES = (0, 1, 2, 9, 3, 4, 5, 12, 6, 7, 8, 15, 10, 11, 13, 14)
+NVFP4_PLACES = E2M1_HALF_PLACES + tuple(16 + p for p in E2M1_HALF_PLACES)
+"""Where the native NVFP4 layout stores the bits of the four e2m1 codes of each 16-bit
+half (mantissa, exponent low, exponent high, sign; slot by slot). A bfloat16 wants a
+code's magnitude in bits 6..8 and its sign in bit 15: slots 0..2 keep that shape, moved
+down by 6, 3 and 0 bits, so one shift and one mask decode them (two per code otherwise);
+slot 3 takes the four bits left and needs three. See `numba_kernels.fragments`."""
+
 MARLIN_SCALE_PERM = tuple(i + 8 * j for i in range(8) for j in range(8))
 MARLIN_SCALE_PERM_SINGLE = tuple(2 * i + j for i in range(4) for j in (0, 1, 8, 9, 16, 17, 24, 25))
 
@@ -118,8 +125,9 @@ def marlin(bits: int = 4, group_size: int | None = 128, *, zero_points: bool = F
 
 def _marlin_tiles(name: str, code, bits: int, group_size: int | None, *, zero_points: bool = False,
                   act_order: bool = False, scale_format: FloatFormat, pad: tuple[int, int] | None = None,
-                  global_scale_name: str | None = None) -> QuantSpec:
-    """Marlin's tensor-core tile layout, optionally zero padded along (K, N) first."""
+                  global_scale_name: str | None = None, places: tuple[int, ...] | None = None) -> QuantSpec:
+    """Marlin's tensor-core tile layout, optionally zero padded along (K, N) first; `places`
+    scatters the bits of each word (`BitPack.places`)."""
     padding = () if pad is None else (Pad(*pad),)
     scale_padding = () if pad is None else (Pad(1, pad[1]),)
     scale_perm = MARLIN_SCALE_PERM if group_size is not None else MARLIN_SCALE_PERM_SINGLE
@@ -130,7 +138,7 @@ def _marlin_tiles(name: str, code, bits: int, group_size: int | None, *, zero_po
     return QuantSpec(
         name=name, code=code,
         weight=Tensor("qweight", Layout((Transpose(),) + padding + (
-            Tile(16, 16), Permute(marlin_weight_perm(bits)), BitPack(bits, axis=-1)))),
+            Tile(16, 16), Permute(marlin_weight_perm(bits)), BitPack(bits, axis=-1, places=places)))),
         scales=Tensor("scales", Layout((Transpose(),) + scale_padding + (Permute(scale_perm),))),
         scale_format=scale_format, group_size=group_size, zeros=zeros,
         g_idx_name="g_idx" if act_order else None, sort_k_by_group=act_order,
@@ -145,13 +153,14 @@ def native(bits: int = 4, group_size: int | None = 128, *, zero_points: bool = F
     in 16 contiguous bytes), zero padded so any shape fits (K to 16, N to 64), scales in
     the activations' `half` type. The same layout serves decode and prefill.
 
-    `fp4=True` is NVFP4 in the same tiles: e2m1 nibbles, one scale byte per 16 input
-    features (permuted like Marlin's), and a per-expert global-scale divisor. The scale
-    bytes are e4m3's values re-stored as float8_ue5m3 (no sign, five exponent bits), which
-    the kernel turns into half pairs in two instructions instead of six."""
+    `fp4=True` is NVFP4 in the same tiles: e2m1 codes with their bits placed for bfloat16
+    (`NVFP4_PLACES`), one scale byte per 16 input features (permuted like Marlin's), and
+    a per-expert global-scale divisor. The scale bytes are e4m3's values re-stored as
+    float8_ue5m3 (no sign, five exponent bits), which the kernel turns into half pairs in
+    two instructions instead of six."""
     if fp4:
         return _marlin_tiles("native_nvfp4", E2M1(), 4, 16, scale_format=FloatFormat("float8_ue5m3"),
-                             pad=(16, 64), global_scale_name="weight_global_scale")
+                             pad=(16, 64), global_scale_name="weight_global_scale", places=NVFP4_PLACES)
     _check_bits(bits)
     if zero_points and act_order:
         raise ValueError("the native layout has no act-order variant with zero points")

@@ -60,7 +60,9 @@ def layout(draw, shape: tuple[int, int], bits: int | None = None, dtype: str | N
         word_bits = draw(st.sampled_from([8, 32]) if bits <= 8 else st.just(32))
         per_word = word_bits // bits
         order = draw(st.none() | st.permutations(range(per_word)).map(tuple))
-        steps.append(BitPack(bits, axis=draw(st.sampled_from([-1, -2])), word_bits=word_bits, order=order))
+        places = draw(st.none() | st.permutations(range(word_bits)).map(tuple))
+        steps.append(BitPack(bits, axis=draw(st.sampled_from([-1, -2])), word_bits=word_bits, order=order,
+                             places=places))
     return Layout(tuple(steps), dtype)
 
 

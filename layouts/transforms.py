@@ -10,7 +10,8 @@ constant-table lookups only, so the same function runs
 
 There is no separate forward or inverse code to drift out of sync: pack scatters through
 the index map, unpack gathers through it. The final ``BitPack`` step maps an element to a
-word and a bit offset, ``(i, j) -> (i2, j2, shift)``.
+word and a bit offset, ``(i, j) -> (i2, j2, shift)`` (where its bits start, or with
+``BitPack.places`` where its slot starts before the bits are scattered).
 
 Example (GPTQ 4-bit): ``Layout((Transpose(), BitPack(4, axis=-2)))`` takes codes ``(N, K)``
 to ``(K, N)`` and packs 8 consecutive K rows into one int32 word.
@@ -306,12 +307,20 @@ class BitPack:
     holds element ``order[s]`` of its chunk (sequential by default; AWQ uses
     [0, 2, 4, 6, 1, 3, 5, 7]). A partial last word is zero padded, as compressed-tensors
     does when K is not a multiple of the pack factor. Words are int32 (32-bit) or uint8.
+
+    `places` scatters the bits: packed bit p (bit p % bits of slot p // bits) is stored at
+    word bit ``places[p]`` (a permutation of the word's bits; None: p itself). A kernel
+    picks the places its decoder turns into values with the fewest instructions (the
+    native NVFP4 layout puts each code's sign and magnitude where a half float wants
+    them). The index map's shift stays the slot's first packed bit, bits * s: read and
+    write codes through `extract_fn` / `insert_fn`, which apply the places.
     """
 
     bits: int = attrs.field()
     axis: int = attrs.field(default=-1, validator=_check_axis)
     word_bits: int = attrs.field(default=32)
     order: tuple[int, ...] | None = attrs.field(default=None)
+    places: tuple[int, ...] | None = attrs.field(default=None)
 
     @bits.validator
     def _check_bits(self, attribute, value):
@@ -333,9 +342,18 @@ class BitPack:
             raise ValueError(f"order must have {self.per_word} entries (codes per word), got {len(value)}")
         _check_permutation(self, attribute, value)
 
+    @places.validator
+    def _check_places(self, attribute, value):
+        if value is None:
+            return
+        if len(value) != self.word_bits:
+            raise ValueError(f"places must have {self.word_bits} entries (bits per word), got {len(value)}")
+        _check_permutation(self, attribute, value)
+
     def __attrs_post_init__(self):
-        if self.order is not None:
-            object.__setattr__(self, "order", _as_int_tuple(self.order))
+        for name in ("order", "places"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, _as_int_tuple(getattr(self, name)))
 
     @property
     def per_word(self) -> int:
@@ -367,9 +385,47 @@ class BitPack:
 
         return pack_rows
 
+    def extract_fn(self):
+        """(word, shift) -> the code whose slot starts at packed bit `shift` (numpy arrays
+        or, wrapped, a device function: integer operations and one table only)."""
+        bits, mask = self.bits, (1 << self.bits) - 1
+        if self.places is None:
+            def extract(word, shift):
+                return (word >> shift) & mask
+
+            return extract
+        places = np.asarray(self.places, dtype=np.uint32)
+
+        def extract_placed(word, shift):
+            code = (word >> places[shift]) & 1
+            for b in range(1, bits):
+                code |= ((word >> places[shift + b]) & 1) << b
+            return code
+
+        return extract_placed
+
+    def insert_fn(self):
+        """(code, shift) -> the code's bits at their places in its word (to OR in)."""
+        bits = self.bits
+        if self.places is None:
+            def insert(code, shift):
+                return code << shift
+
+            return insert
+        places = np.asarray(self.places, dtype=np.uint32)
+
+        def insert_placed(code, shift):
+            word = (code & 1) << places[shift]
+            for b in range(1, bits):
+                word |= ((code >> b) & 1) << places[shift + b]
+            return word
+
+        return insert_placed
+
     def __repr__(self) -> str:
         order = "" if self.order is None else f", order={list(self.order)}"
-        return f"BitPack({self.bits}, axis={self.axis}, word_bits={self.word_bits}{order})"
+        places = "" if self.places is None else f", places={list(self.places)}"
+        return f"BitPack({self.bits}, axis={self.axis}, word_bits={self.word_bits}{order}{places})"
 
 
 def _no_pack(i, j):
@@ -464,7 +520,7 @@ class Layout:
         words_per_item = out_rows * out_cols
         items = int(np.prod(batch, dtype=np.int64))
         word = ((np.arange(items)[:, None, None] * words_per_item) + rows * out_cols + cols).ravel()
-        shifted = (values.reshape(items, *shape).astype(np.uint64) << shifts.astype(np.uint64)).ravel()
+        shifted = pack.insert_fn()(values.reshape(items, *shape).astype(np.uint64), shifts.astype(np.uint64)).ravel()
         # Every (word, shift) receives one element, so summing disjoint bit fields is an OR.
         words = np.bincount(word, weights=shifted.astype(np.float64), minlength=items * words_per_item)
         words = words.astype(np.uint64).astype(np.uint32 if pack.word_bits == 32 else np.uint8)
@@ -481,7 +537,7 @@ class Layout:
         if pack is None:
             return physical[..., rows, cols]
         words = physical.view(np.uint32 if pack.word_bits == 32 else np.uint8)[..., rows, cols]
-        return ((words.astype(np.uint32) >> shifts.astype(np.uint32)) & ((1 << pack.bits) - 1)).astype(np.int32)
+        return pack.extract_fn()(words.astype(np.uint32), shifts.astype(np.uint32)).astype(np.int32)
 
     def __repr__(self) -> str:
         chain = " ∘ ".join(repr(s) for s in reversed(self.steps)) or "identity"

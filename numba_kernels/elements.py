@@ -130,8 +130,25 @@ def scale_encoder(scale_format: FloatFormat):
 
 
 @device
-def _bits(word, shift, mask):
-    return (uint32(word) >> uint32(shift)) & uint32(mask)
+def _code_extractor(layout, bits: int):
+    """Device function (word, shift) -> the uint32 code `locate` placed at `shift` of a
+    stored word (a BitPack's scattered `places` applied; one code per element without one)."""
+    pack = layout.bitpack
+    if pack is None:
+        mask = uint32((1 << bits) - 1)
+
+        @device
+        def whole(word, shift):
+            return uint32(word) & mask
+
+        return whole
+    extract = device(pack.extract_fn())
+
+    @device
+    def packed(word, shift):
+        return uint32(extract(uint32(word), uint32(shift)))
+
+    return packed
 
 
 def group_reader(spec: QuantSpec):
@@ -178,12 +195,12 @@ def logical_k(spec: QuantSpec):
 def code_reader(spec: QuantSpec, n: int, k: int):
     """Device function (weight, e, n, kp) -> the stored integer code (uint32)."""
     locate = spec.weight.layout.locate((n, k), wrap=device)
-    mask = (1 << spec.code.bits) - 1
+    extract = _code_extractor(spec.weight.layout, spec.code.bits)
 
     @device
     def read_code(weight, e, n_, kp):
         row, col, shift = locate(n_, kp)
-        return _bits(weight[e, row, col], shift, mask)
+        return extract(weight[e, row, col], shift)
 
     return read_code
 
@@ -216,12 +233,13 @@ def zero_reader(spec: QuantSpec, n: int, k: int):
 
         return fixed_bias
     locate = spec.zeros.layout.locate((n, spec.groups(k)), wrap=device)
+    extract = _code_extractor(spec.zeros.layout, spec.code.bits)
     offset = spec.zero_offset
 
     @device
     def read_zero(zeros, e, n_, group):
         row, col, shift = locate(n_, group)
-        stored = int32(_bits(zeros[e, row, col], shift, mask))
+        stored = int32(extract(zeros[e, row, col], shift))
         return uint32((stored - offset) & mask)
 
     return read_zero

@@ -118,8 +118,9 @@ assert UE5M3_BIAS - 29 == -FP4_DOWNSCALE
 
 
 def marlin_tile_bits(spec: QuantSpec) -> int | None:
-    """Code width if `spec`'s weight has Marlin's tile layout (optionally padded), else None.
-    Recognised by structure, so a checkpoint already in Marlin form reads fast as it is."""
+    """Code width if `spec`'s weight has Marlin's tile layout (optionally padded; e2m1 bits
+    optionally placed, see `e2m1_moves`), else None. Recognised by structure, so a
+    checkpoint already in Marlin form reads fast as it is."""
     steps = spec.weight.layout.steps
     if len(steps) == 5 and isinstance(steps[1], Pad):
         if steps[1].rows % SLAB_K or steps[1].cols % CHUNK_N:
@@ -130,8 +131,34 @@ def marlin_tile_bits(spec: QuantSpec) -> int | None:
     bits = spec.code.bits
     if bits not in (4, 8):
         return None
-    expected = (Transpose(), Tile(16, 16), Permute(marlin_weight_perm(bits)), BitPack(bits, axis=-1))
+    places = steps[-1].places if isinstance(steps[-1], BitPack) else None
+    if places is not None and not (isinstance(spec.code, E2M1) and e2m1_moves(places, "bfloat16")):
+        return None
+    expected = (Transpose(), Tile(16, 16), Permute(marlin_weight_perm(bits)), BitPack(bits, axis=-1, places=places))
     return bits if steps == expected else None
+
+
+def e2m1_moves(places: tuple[int, ...] | None, half: str) -> tuple | None:
+    """How the tile reader turns the e2m1 codes of a word into `half` bits, or None if the
+    codes' bits cannot be moved two halves at once (`places`: the weight's `BitPack.places`).
+
+    Slot i < 4 of each 16-bit half (slot i + 4 alike, 16 bits up) has its four bits moved
+    to their targets in the half: mantissa, exponent low, exponent high at `fp4_shift`
+    + 0, 1, 2 and the sign at 15 (the value times 2**-126 in bfloat16, 2**-14 in float16).
+    Bits that move by the same distance move together, one shift and one mask each:
+    per slot, a tuple of (left shift, right shift, mask of both halves)."""
+    places = tuple(range(32)) if places is None else places
+    targets = tuple(HALF_CONSTANTS[half].fp4_shift + b for b in range(3)) + (15,)
+    moves = []
+    for slot in range(4):
+        low, high = places[4 * slot:4 * slot + 4], places[4 * (slot + 4):4 * (slot + 4) + 4]
+        if any(p >= 16 or q != p + 16 for p, q in zip(low, high)):
+            return None
+        masks = {}
+        for place, target in zip(low, targets):
+            masks[target - place] = masks.get(target - place, 0) | (0x10001 << target)
+        moves.append(tuple((max(d, 0), max(-d, 0), mask) for d, mask in sorted(masks.items())))
+    return tuple(moves)
 
 
 def fast_path_supported(spec: QuantSpec, half: str) -> bool:
@@ -181,12 +208,10 @@ class DeferredScales:
 
 
 @functools.cache
-def fragment_reader(spec: QuantSpec, n: int, k: int, half: str, staged: bool = False) -> FragmentReader:
-    """The fastest reader of `spec` (logical shape (n, k)) for `half` activations;
-    `staged`: for a prefill tile, whose loop is bound by instruction issue rather than
-    by latency (e2m1 codes then decode in fewer instructions of longer latency)."""
+def fragment_reader(spec: QuantSpec, n: int, k: int, half: str) -> FragmentReader:
+    """The fastest reader of `spec` (logical shape (n, k)) for `half` activations."""
     if fast_path_supported(spec, half):
-        return _marlin_tile_reader(spec, n, k, half, lane_scales(spec, n, k, half), staged)
+        return _marlin_tile_reader(spec, n, k, half, lane_scales(spec, n, k, half))
     return _index_map_reader(spec, n, k, half)
 
 
@@ -276,8 +301,26 @@ class TileGeometry:
         return cls(bits, slab_rows, slab_words, words_per_chunk, words_per_chunk // 32)
 
 
-def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneScales | None,
-                        staged: bool) -> FragmentReader:
+def _bit_mover(moves: tuple, and_or):
+    """Device function word -> the bits `moves` select, moved: one (left, right, mask)
+    shift and `and_or` each (a zero shift costs nothing once compiled)."""
+    if not moves:
+        @device
+        def no_bits(word):
+            return uint32(0)
+
+        return no_bits
+    (left, right, mask), rest = moves[0], _bit_mover(moves[1:], and_or)
+    left, right, mask = uint32(left), uint32(right), uint32(mask)
+
+    @device
+    def move(word):
+        return and_or((word << left) >> right, mask, rest(word))
+
+    return move
+
+
+def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneScales | None) -> FragmentReader:
     geometry = TileGeometry.of(spec, n, k)
     bits, slab_rows, slab_words = geometry.bits, geometry.slab_rows, geometry.slab_words
     words_per_chunk, words_per_lane = geometry.words_per_chunk, geometry.words_per_lane
@@ -292,15 +335,9 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
     size_n = n
     one, magic = uint32(constants.one), uint32(constants.int4_magic)
     magic_value = float32(constants.int4_magic_value)
-    fp4_shift, unbias_pair = constants.fp4_shift, uint32(constants.fp4_unbias_pair)
-    fp4_magnitude = uint32(0x70007 << fp4_shift)  # e2m1 exponent and mantissa bits, moved into a half's
-    fp4_sign_magnitude = uint32(0x80008000) | fp4_magnitude
-    # bfloat16: one multiply puts two copies of a masked code in each half, at bits 12-15
-    # (the sign lands at 15) and at fp4_shift (the magnitude), apart enough that the sum
-    # has no carries: 3 instructions a register instead of 4 (float16's copies overlap).
-    # Prefill only: on the H200 it made the prefill GEMMs faster and the decode GEMMs,
-    # which wait on the multiply's latency, slower (BENCHMARKS.md, twenty-first session).
-    spread_by_multiply = staged and fp4_shift + 4 <= 12
+    unbias_pair = uint32(constants.fp4_unbias_pair)
+    if fp4:
+        e2m1_slot_bits = tuple(_bit_mover(moves, and_or) for moves in e2m1_moves(spec.weight.layout.bitpack.places, half))
     # 128 + q does not hold an 8-bit code exactly in bfloat16: those go through float32
     # (params then hold float32 bits of the scale and the zero point).
     float32_codes = bits == 8 and half == "bfloat16"
@@ -391,20 +428,23 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
         zero, scale = ptx.bits_f32(offset_pair), ptx.bits_f32(scale_pair)
         return pack2((float32(codes & uint32(0xFFFF)) - zero) * scale, (float32(codes >> uint32(16)) - zero) * scale)
 
+    if fp4:
+        slot0_bits, slot1_bits, slot2_bits, slot3_bits = e2m1_slot_bits
+
     @device
     def fp4_bits(raw, column, r):
         """The e2m1 codes of fragment register r of `column`, sign and magnitude bits moved
-        into a half's sign, exponent and top mantissa bit: the values times 2**-126
-        (bfloat16) or 2**-14 (float16)."""
-        nibble = 2 * (column % 2) + r  # the code's place in each 16-bit half of the word
-        if spread_by_multiply:
-            word = uint32(raw[column // 2]) >> uint32(8 * (nibble // 2))
-            place = 4 * (nibble % 2)
-            codes = word & uint32(0x000F000F << place)
-            copies = codes * uint32((1 << (12 - place)) + (1 << (fp4_shift - place)))
-            return copies & fp4_sign_magnitude
-        top = uint32(raw[column // 2]) << uint32(12 - 4 * nibble)  # the code in bits 12-15
-        return and_or(top, uint32(0x80008000), (top >> uint32(12 - fp4_shift)) & fp4_magnitude)
+        into a half's sign, exponent and top mantissa bit (`e2m1_moves`): the values times
+        2**-126 (bfloat16) or 2**-14 (float16)."""
+        slot = 2 * (column % 2) + r  # the codes' slot in each 16-bit half of the word
+        word = uint32(raw[column // 2])
+        if slot == 0:
+            return slot0_bits(word)
+        if slot == 1:
+            return slot1_bits(word)
+        if slot == 2:
+            return slot2_bits(word)
+        return slot3_bits(word)
 
     @device
     def fp4_pair(raw, column, r, scale_pair):

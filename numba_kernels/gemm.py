@@ -241,7 +241,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     one started (the layer's gemm2: aligned before gemm1). Launched early, a decode tile
     then reads it and issues its first weight loads before waiting for that kernel, so they
     overlap its tail; only the activations wait."""
-    reader = fragment_reader(spec, n, k, half, tile.a_in_shared)
+    reader = fragment_reader(spec, n, k, half)
     group_of_slab, column_params, fetch, decode = reader.group_of_slab, reader.column_params, reader.fetch, reader.decode
     output_scale, load_word = reader.output_scale, ptx.load_words[1]
     mma, to_half, pack2 = ptx.mma(half), ptx.to_half(half), ptx.pack2(half)

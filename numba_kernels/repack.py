@@ -113,15 +113,21 @@ def _word_writer(layout, shape: tuple[int, int], word_bits: int):
     """Device function (words, e, i, j, code): OR `code` into its place in a flat 32-bit
     view of the (E, rows, cols) array `layout` stores (see the module docstring)."""
     locate = layout.locate(shape, wrap=ptx.device)
+    insert = ptx.device(layout.bitpack.insert_fn() if layout.bitpack else _one_code_per_word)
     rows, cols = layout.physical_shape(shape)
 
     @ptx.device
     def write(words, e, i, j, code):
         row, col, shift = locate(i, j)
-        bit = ((e * rows + row) * cols + col) * word_bits + shift
-        cuda.atomic.or_(words, bit >> 5, int32(uint32(code) << uint32(bit & 31)))
+        bit = ((e * rows + row) * cols + col) * word_bits  # the word's first bit
+        placed = uint32(insert(uint32(code), uint32(shift)))
+        cuda.atomic.or_(words, bit >> 5, int32(placed << uint32(bit & 31)))
 
     return write
+
+
+def _one_code_per_word(code, shift):
+    return code
 
 
 @ptx.device

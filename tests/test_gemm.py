@@ -8,11 +8,12 @@ import pytest
 import torch
 from hypothesis import assume, given, settings, strategies as st
 
-from layouts import Quantized, formats
+from layouts import Layout, Quantized, formats
 from layouts.strategies import random_quantized, spec_for
 from numba_kernels import interop
 from numba_kernels.align import moe_align_block_size
-from numba_kernels.fragments import COPY_OFFSET_LIMIT, copy_offsets_fit, fast_path_supported, fragment_reader, lane_scales
+from numba_kernels.fragments import (COPY_OFFSET_LIMIT, copy_offsets_fit, e2m1_moves, fast_path_supported, fragment_reader,
+                                     lane_scales)
 from numba_kernels.gemm import GemmTile, grouped_gemm, prefill_supported, reference_grouped_gemm
 from numba_kernels.weights import KernelWeights
 
@@ -266,13 +267,19 @@ def test_steady_loop_without_range_checks_gives_the_same_products(spec, tile):
                                   GemmTile(block_m=16, warps_k=1, slabs_per_warp=2, stages=2, a_in_shared=True)],
                          ids=["decode", "prefill"])
 @pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
-def test_nvfp4_fragments_are_exact_for_every_code_and_the_extreme_block_scales(half, tile):
+@pytest.mark.parametrize("placed", [True, False], ids=["placed", "in_sequence"])
+def test_nvfp4_fragments_are_exact_for_every_code_and_the_extreme_block_scales(half, tile, placed):
     """Every e2m1 code times e4m3 block scales from the smallest subnormal (2**-9) to the
     largest (448), negative and zero ones too (folded into the codes), decoded as code *
     scale * 2**-7 and rescaled in the epilogue: one-hot activations read each weight back,
-    exactly (each fits the half type). Decode and prefill tiles decode e2m1 differently
-    (`fragments.fragment_reader`)."""
+    exactly (each fits the half type). The tile reader's bit moves come from the layout's
+    places: the native ones, and the same tiles with each code's bits in sequence."""
     spec, n, k = formats.native(fp4=True), 64, 32
+    if not placed:
+        pack = spec.weight.layout.steps[-1]
+        layout = Layout(spec.weight.layout.steps[:-1] + (attrs.evolve(pack, places=None),))
+        spec = attrs.evolve(spec, name="nvfp4_tiles_in_sequence", weight=attrs.evolve(spec.weight, layout=layout))
+    assert fast_path_supported(spec, interop.HALF_NAMES[half])
     codes = (np.arange(n * k).reshape(1, n, k) * 7) % 16
     e4m3 = np.array([2.0 ** -9, -7 * 2.0 ** -9, 2.0 ** -6, 0.0, 0.5, -1.0, 1.875, 240.0, -448.0, 448.0])
     scales = e4m3[np.arange(n * k // 16).reshape(1, n, k // 16) % 10]
@@ -286,6 +293,26 @@ def test_nvfp4_fragments_are_exact_for_every_code_and_the_extreme_block_scales(h
                        *(torch.from_numpy(a).to(device) for a in (sorted_ids, expert_ids, padded)), num_slots=k,
                        tile=tile)
     np.testing.assert_array_equal(out.float().cpu().numpy(), dense.T)
+
+
+def test_native_nvfp4_places_three_codes_of_four_one_shift_and_mask_from_a_bfloat16():
+    """`formats.NVFP4_PLACES` is what the tile reader is generated from: in bfloat16, slots
+    0..2 of each half move in one piece and slot 3 in three (two pieces a slot in sequence,
+    and in float16 either way); a placement that splits a code across halves, or moves the
+    two halves differently, is read through the index maps instead."""
+    def pieces(places, half):
+        return [len(moves) for moves in e2m1_moves(places, half)]
+
+    assert pieces(formats.NVFP4_PLACES, "bfloat16") == [1, 1, 1, 3]
+    assert pieces(None, "bfloat16") == pieces(None, "float16") == [2, 2, 2, 2]
+    assert pieces(formats.NVFP4_PLACES, "float16") == [2, 2, 2, 3]
+    straddling = (16,) + tuple(range(1, 16)) + (0,) + tuple(range(17, 32))
+    assert e2m1_moves(straddling, "bfloat16") is None
+    assert e2m1_moves(tuple(range(16)) + tuple(range(16, 32))[::-1], "bfloat16") is None
+    spec = formats.native(fp4=True)
+    pack = spec.weight.layout.steps[-1]
+    layout = Layout(spec.weight.layout.steps[:-1] + (attrs.evolve(pack, places=straddling),))
+    assert not fast_path_supported(attrs.evolve(spec, weight=attrs.evolve(spec.weight, layout=layout)), "bfloat16")
 
 
 @pytest.mark.parametrize("spec, deferred", [

@@ -15,6 +15,8 @@ from layouts.explain import where
     (lambda: IntCode(6), "bits must be one of 2, 3, 4, 8"),
     (lambda: BitPack(4, axis=0), "axis must be -1"),
     (lambda: BitPack(4, order=(0, 1, 2)), "order must have 8 entries"),
+    (lambda: BitPack(4, word_bits=8, places=tuple(range(32))), "places must have 8 entries"),
+    (lambda: BitPack(4, word_bits=8, places=(0, 1, 2, 3, 4, 5, 6, 6)), "places must be a permutation"),
     (lambda: Permute((0, 0, 1)), "must be a permutation"),
     (lambda: Tile(0, 16), "rows must be a positive int"),
     (lambda: Layout((BitPack(4), Tile(2, 2))), "BitPack must be the last step"),
