@@ -129,7 +129,6 @@ def scale_encoder(scale_format: FloatFormat):
     return encode_float32
 
 
-@device
 def _code_extractor(layout, bits: int):
     """Device function (word, shift) -> the uint32 code `locate` placed at `shift` of a
     stored word (a BitPack's scattered `places` applied; one code per element without one)."""
