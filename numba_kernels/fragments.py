@@ -131,7 +131,7 @@ def marlin_tile_bits(spec: QuantSpec) -> int | None:
     bits = spec.code.bits
     if bits not in (4, 8):
         return None
-    places = steps[-1].places if isinstance(steps[-1], BitPack) else None
+    places = steps[-1].places if isinstance(steps[-1], BitPack) else None  # movable or not in either half type
     if places is not None and not (isinstance(spec.code, E2M1) and e2m1_moves(places, "bfloat16")):
         return None
     expected = (Transpose(), Tile(16, 16), Permute(marlin_weight_perm(bits)), BitPack(bits, axis=-1, places=places))

@@ -13,9 +13,10 @@ Algorithm (one kernel launch, plus a few small torch ops for act-order and globa
   every code's bits are disjoint, so the atomic ORs give the same words in any order:
   deterministic, and padding (partial words, Pad, the 128x4 swizzle) stays zero.
   Destination words are addressed as a flat array of 32-bit words: bit position =
-  (flat element index) * word_bits + shift, so uint8 words (NVFP4) use the same 32-bit
-  atomics (little endian), on a 32-bit view of the tensor or, where the tensor's bytes
-  cannot be viewed as 32-bit words, on a zeroed scratch copied back afterwards.
+  (flat element index) * word_bits + the code's bits in its word (from its shift, and
+  its `BitPack.places` if any), so uint8 words (NVFP4) use the same 32-bit atomics
+  (little endian), on a 32-bit view of the tensor or, where the tensor's bytes cannot be
+  viewed as 32-bit words, on a zeroed scratch copied back afterwards.
 * scales, zero points: for every (e, n, group), copy the stored scale bits when the two
   scale formats are equal, else decode to float32 and re-encode (`elements.scale_encoder`:
   half floats round to nearest even, the float8 formats as `e4m3_encode` / `ue5m3_encode`);
