@@ -256,7 +256,8 @@ def lane_scales(spec: QuantSpec, n: int, k: int, half: str) -> LaneScales | None
         return None
     zero_row_words, zero_shifts = 0, ()
     if spec.zeros is not None:
-        if spec.code.bits != 4:
+        pack = spec.zeros.layout.bitpack
+        if spec.code.bits != 4 or (pack is not None and pack.places is not None):  # the decode shifts zero points out
             return None
         rows, cols, shifts = spec.zeros.layout.locate((n, groups))(n_[None, :], group)
         zero_rows, zero_row_words = spec.zeros.layout.physical_shape((n, groups))

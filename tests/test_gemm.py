@@ -136,6 +136,18 @@ def test_decode_prefetches_scales_exactly_where_a_lane_s_eight_sit_together(spec
     assert (lane_scales(spec, 192, 256, half) is not None) == found
 
 
+def test_zero_points_with_scattered_bits_are_read_through_their_index_maps():
+    """`lane_scales` shifts 4-bit zero points out of their word; zero points whose bits a
+    BitPack scatters go through `elements.zero_reader` instead, with the same products."""
+    spec = formats.native(4, 32, zero_points=True)
+    pack = spec.zeros.layout.steps[-1]
+    scattered = attrs.evolve(pack, places=tuple(reversed(range(32))))
+    zeros = attrs.evolve(spec.zeros, layout=Layout(spec.zeros.layout.steps[:-1] + (scattered,)))
+    spec = attrs.evolve(spec, name="native_int4_scattered_zeros", zeros=zeros)
+    assert fast_path_supported(spec, "bfloat16") and lane_scales(spec, 64, 64, "bfloat16") is None
+    assert_close(*run_case(spec, (2, 64, 64), tokens=2, top_k=2, tile=DECODE))
+
+
 @pytest.mark.parametrize("spec, half", [(formats.native(4, 32, zero_points=True, half="float16"), torch.float16),
                                         (formats.native(8, 64, half="float16"), torch.float16),
                                         (formats.native(fp4=True), torch.float16)])
