@@ -25,7 +25,7 @@ def render(spec: QuantSpec, shape: tuple[int, int], max_rows: int = 8, max_cols:
     rows, cols, shifts = spec.weight.layout.locate(shape)(*np.meshgrid(np.arange(shape[0]), np.arange(shape[1]), indexing="ij"))
     bits = spec.code.bits
     lines = [f"{spec.weight.name}{spec.weight.layout.physical_shape(shape)} for logical codes (N, K) = {shape}; "
-             f"each cell lists the (n,k) in its {bits}-bit slots, low bits first:"]
+             f"each cell lists the (n,k) in its {bits}-bit slots, slot 0 (the low bits unless placed) first:"]
     for r in range(min(max_rows, spec.weight.layout.physical_shape(shape)[0])):
         cells = []
         for c in range(min(max_cols, spec.weight.layout.physical_shape(shape)[1])):
