@@ -14,7 +14,10 @@ Two readers produce exactly these 16 registers, behind one interface:
   a lane's 32 codes of a slab-chunk are 16 contiguous bytes (32 for 8-bit codes), so one
   ``ld.global.nc.v4`` fetches them; codes become half pairs with integer bit tricks
   (``(word >> 4i) & 0x000F000F | magic`` is the pair 128 + q, or 1024 + q in float16),
-  then two packed FMAs subtract the zero point and apply the scale.
+  then two packed FMAs subtract the zero point and apply the scale. e2m1 codes have
+  their bits moved to a half's sign, exponent and mantissa by shifts and masks generated
+  from the layout's `BitPack.places` (`e2m1_moves`: one of each for three codes in four
+  of the native layout, in bfloat16), then one packed FMA scales them.
 * `IndexMapReader`, for ANY spec: each of the 32 values through
   `elements.element_reader` (the spec's own index maps), packed with ``cvt.rn``. Slow,
   exact, and what makes the GEMM work on every checkpoint layout as stored.
