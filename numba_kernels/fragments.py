@@ -134,7 +134,7 @@ def marlin_tile_bits(spec: QuantSpec) -> int | None:
     bits = spec.code.bits
     if bits not in (4, 8):
         return None
-    places = steps[-1].places if isinstance(steps[-1], BitPack) else None  # movable or not in either half type
+    places = steps[-1].places if isinstance(steps[-1], BitPack) else None  # (movable or not alike in both half types)
     if places is not None and not (isinstance(spec.code, E2M1) and e2m1_moves(places, "bfloat16")):
         return None
     expected = (Transpose(), Tile(16, 16), Permute(marlin_weight_perm(bits)), BitPack(bits, axis=-1, places=places))
@@ -340,8 +340,8 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
     one, magic = uint32(constants.one), uint32(constants.int4_magic)
     magic_value = float32(constants.int4_magic_value)
     unbias_pair = uint32(constants.fp4_unbias_pair)
-    if fp4:
-        e2m1_slot_bits = tuple(_bit_mover(moves, and_or) for moves in e2m1_moves(spec.weight.layout.bitpack.places, half))
+    slot0_bits, slot1_bits, slot2_bits, slot3_bits = (  # e2m1 codes (places: None for integer codes)
+        _bit_mover(moves, and_or) for moves in e2m1_moves(spec.weight.layout.bitpack.places, half))
     # 128 + q does not hold an 8-bit code exactly in bfloat16: those go through float32
     # (params then hold float32 bits of the scale and the zero point).
     float32_codes = bits == 8 and half == "bfloat16"
@@ -431,9 +431,6 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
             return fma2(fma2(codes | magic, one, offset_pair), scale_pair, zero_pair)
         zero, scale = ptx.bits_f32(offset_pair), ptx.bits_f32(scale_pair)
         return pack2((float32(codes & uint32(0xFFFF)) - zero) * scale, (float32(codes >> uint32(16)) - zero) * scale)
-
-    if fp4:
-        slot0_bits, slot1_bits, slot2_bits, slot3_bits = e2m1_slot_bits
 
     @device
     def fp4_bits(raw, column, r):

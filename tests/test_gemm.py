@@ -136,14 +136,18 @@ def test_decode_prefetches_scales_exactly_where_a_lane_s_eight_sit_together(spec
     assert (lane_scales(spec, 192, 256, half) is not None) == found
 
 
+def with_places(spec, places, tensor="weight"):
+    """`spec` with the BitPack of its `tensor` ("weight" or "zeros") storing bits at `places`."""
+    stored = getattr(spec, tensor)
+    steps = stored.layout.steps
+    layout = Layout(steps[:-1] + (attrs.evolve(steps[-1], places=places),))
+    return attrs.evolve(spec, name=f"{spec.name}_{tensor}_placed", **{tensor: attrs.evolve(stored, layout=layout)})
+
+
 def test_zero_points_with_scattered_bits_are_read_through_their_index_maps():
     """`lane_scales` shifts 4-bit zero points out of their word; zero points whose bits a
     BitPack scatters go through `elements.zero_reader` instead, with the same products."""
-    spec = formats.native(4, 32, zero_points=True)
-    pack = spec.zeros.layout.steps[-1]
-    scattered = attrs.evolve(pack, places=tuple(reversed(range(32))))
-    zeros = attrs.evolve(spec.zeros, layout=Layout(spec.zeros.layout.steps[:-1] + (scattered,)))
-    spec = attrs.evolve(spec, name="native_int4_scattered_zeros", zeros=zeros)
+    spec = with_places(formats.native(4, 32, zero_points=True), tuple(reversed(range(32))), "zeros")
     assert fast_path_supported(spec, "bfloat16") and lane_scales(spec, 64, 64, "bfloat16") is None
     assert_close(*run_case(spec, (2, 64, 64), tokens=2, top_k=2, tile=DECODE))
 
@@ -288,9 +292,7 @@ def test_nvfp4_fragments_are_exact_for_every_code_and_the_extreme_block_scales(h
     places: the native ones, and the same tiles with each code's bits in sequence."""
     spec, n, k = formats.native(fp4=True), 64, 32
     if not placed:
-        pack = spec.weight.layout.steps[-1]
-        layout = Layout(spec.weight.layout.steps[:-1] + (attrs.evolve(pack, places=None),))
-        spec = attrs.evolve(spec, name="nvfp4_tiles_in_sequence", weight=attrs.evolve(spec.weight, layout=layout))
+        spec = with_places(spec, None)
     assert fast_path_supported(spec, interop.HALF_NAMES[half])
     codes = (np.arange(n * k).reshape(1, n, k) * 7) % 16
     e4m3 = np.array([2.0 ** -9, -7 * 2.0 ** -9, 2.0 ** -6, 0.0, 0.5, -1.0, 1.875, 240.0, -448.0, 448.0])
@@ -321,10 +323,7 @@ def test_native_nvfp4_places_three_codes_of_four_one_shift_and_mask_from_a_bfloa
     straddling = (16,) + tuple(range(1, 16)) + (0,) + tuple(range(17, 32))
     assert e2m1_moves(straddling, "bfloat16") is None
     assert e2m1_moves(tuple(range(16)) + tuple(range(16, 32))[::-1], "bfloat16") is None
-    spec = formats.native(fp4=True)
-    pack = spec.weight.layout.steps[-1]
-    layout = Layout(spec.weight.layout.steps[:-1] + (attrs.evolve(pack, places=straddling),))
-    assert not fast_path_supported(attrs.evolve(spec, weight=attrs.evolve(spec.weight, layout=layout)), "bfloat16")
+    assert not fast_path_supported(with_places(formats.native(fp4=True), straddling), "bfloat16")
 
 
 @pytest.mark.parametrize("spec, deferred", [
