@@ -311,15 +311,20 @@ def test_nvfp4_fragments_are_exact_for_every_code_and_the_extreme_block_scales(h
 
 def test_native_nvfp4_places_three_codes_of_four_one_shift_and_mask_from_a_bfloat16():
     """`formats.NVFP4_PLACES` is what the tile reader is generated from: in bfloat16, slots
-    0..2 of each half move in one piece and slot 3 in three (two pieces a slot in sequence,
-    and in float16 either way); a placement that splits a code across halves, or moves the
-    two halves differently, is read through the index maps instead."""
+    0..2 of each half move in one piece and slot 3 in three (two pieces a slot in sequence),
+    11 instructions a word instead of 15; float16 takes 16 instead of 15. A placement that
+    splits a code across halves, or moves the two halves differently, is read through the
+    index maps instead."""
     def pieces(places, half):
         return [len(moves) for moves in e2m1_moves(places, half)]
 
+    def instructions(places, half):  # a lop3 a piece, a shift a piece that moves
+        return sum(1 + (left > 0 or right > 0) for moves in e2m1_moves(places, half) for left, right, _ in moves)
+
     assert pieces(formats.NVFP4_PLACES, "bfloat16") == [1, 1, 1, 3]
     assert pieces(None, "bfloat16") == pieces(None, "float16") == [2, 2, 2, 2]
-    assert pieces(formats.NVFP4_PLACES, "float16") == [2, 2, 2, 3]
+    assert instructions(formats.NVFP4_PLACES, "bfloat16") == 11 and instructions(None, "bfloat16") == 15
+    assert instructions(formats.NVFP4_PLACES, "float16") == 16 and instructions(None, "float16") == 15
     straddling = (16,) + tuple(range(1, 16)) + (0,) + tuple(range(17, 32))
     assert e2m1_moves(straddling, "bfloat16") is None
     assert e2m1_moves(tuple(range(16)) + tuple(range(16, 32))[::-1], "bfloat16") is None
