@@ -134,11 +134,13 @@ def marlin_tile_bits(spec: QuantSpec) -> int | None:
     bits = spec.code.bits
     if bits not in (4, 8):
         return None
-    places = steps[-1].places if isinstance(steps[-1], BitPack) else None  # (movable or not alike in both half types)
-    if places is not None and not (isinstance(spec.code, E2M1) and e2m1_moves(places, "bfloat16")):
+    *tiles, pack = steps
+    if (tuple(tiles) != (Transpose(), Tile(16, 16), Permute(marlin_weight_perm(bits))) or not isinstance(pack, BitPack)
+            or attrs.evolve(pack, places=None) != BitPack(bits, axis=-1)):
         return None
-    expected = (Transpose(), Tile(16, 16), Permute(marlin_weight_perm(bits)), BitPack(bits, axis=-1, places=places))
-    return bits if steps == expected else None
+    if pack.places is not None and not (isinstance(spec.code, E2M1) and e2m1_moves(pack.places, "bfloat16")):
+        return None  # (movable or not alike in both half types)
+    return bits
 
 
 def e2m1_moves(places: tuple[int, ...] | None, half: str) -> tuple | None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import assume, given, settings, strategies as st
 
-from layouts import Layout, Quantized, formats
+from layouts import BitPack, Layout, Quantized, Tensor, Transpose, formats
 from layouts.strategies import random_quantized, spec_for
 from numba_kernels import interop
 from numba_kernels.align import moe_align_block_size
@@ -329,6 +329,9 @@ def test_native_nvfp4_places_three_codes_of_four_one_shift_and_mask_from_a_bfloa
     assert e2m1_moves(straddling, "bfloat16") is None
     assert e2m1_moves(tuple(range(16)) + tuple(range(16, 32))[::-1], "bfloat16") is None
     assert not fast_path_supported(with_places(formats.native(fp4=True), straddling), "bfloat16")
+    bytes_placed = attrs.evolve(formats.nvfp4(), weight=Tensor("weight", Layout(
+        (Transpose(), Transpose(), Transpose(), BitPack(4, word_bits=8, places=tuple(range(8)))))))
+    assert not fast_path_supported(bytes_placed, "bfloat16")  # four steps, but not Marlin's tiles (found by Hypothesis)
 
 
 @pytest.mark.parametrize("spec, deferred", [
