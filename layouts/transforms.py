@@ -44,6 +44,18 @@ def _check_permutation(instance, attribute, value):
         raise ValueError(f"{attribute.name} must be a permutation of 0..{len(value) - 1}, got {value!r}")
 
 
+def _optional_permutation(length, unit: str):
+    """Validator: None, or a permutation of range(length(instance)) (`unit` says what it counts)."""
+    def check(instance, attribute, value):
+        if value is None:
+            return
+        if len(value) != length(instance):
+            raise ValueError(f"{attribute.name} must have {length(instance)} entries ({unit}), got {len(value)}")
+        _check_permutation(instance, attribute, value)
+
+    return check
+
+
 def _inverse_table(perm: tuple[int, ...]) -> np.ndarray:
     """inv[old] = new for a permutation given as perm[new] = old (numpy fancy-index convention)."""
     return np.argsort(np.asarray(perm)).astype(np.int64)
@@ -319,8 +331,12 @@ class BitPack:
     bits: int = attrs.field()
     axis: int = attrs.field(default=-1, validator=_check_axis)
     word_bits: int = attrs.field(default=32)
-    order: tuple[int, ...] | None = attrs.field(default=None)
-    places: tuple[int, ...] | None = attrs.field(default=None)
+    order: tuple[int, ...] | None = attrs.field(
+        default=None, converter=attrs.converters.optional(_as_int_tuple),
+        validator=_optional_permutation(lambda pack: pack.per_word, "codes per word"))
+    places: tuple[int, ...] | None = attrs.field(
+        default=None, converter=attrs.converters.optional(_as_int_tuple),
+        validator=_optional_permutation(lambda pack: pack.word_bits, "bits per word"))
 
     @bits.validator
     def _check_bits(self, attribute, value):
@@ -333,27 +349,6 @@ class BitPack:
             raise ValueError(f"word_bits must be 8 or 32, got {value!r}")
         if value < self.bits:
             raise ValueError(f"word_bits ({value}) must hold at least one {self.bits}-bit code")
-
-    @order.validator
-    def _check_order(self, attribute, value):
-        if value is None:
-            return
-        if len(value) != self.per_word:
-            raise ValueError(f"order must have {self.per_word} entries (codes per word), got {len(value)}")
-        _check_permutation(self, attribute, value)
-
-    @places.validator
-    def _check_places(self, attribute, value):
-        if value is None:
-            return
-        if len(value) != self.word_bits:
-            raise ValueError(f"places must have {self.word_bits} entries (bits per word), got {len(value)}")
-        _check_permutation(self, attribute, value)
-
-    def __attrs_post_init__(self):
-        for name in ("order", "places"):
-            if getattr(self, name) is not None:
-                object.__setattr__(self, name, _as_int_tuple(getattr(self, name)))
 
     @property
     def per_word(self) -> int:
