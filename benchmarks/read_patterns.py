@@ -27,10 +27,10 @@ import functools
 import torch
 from numba import cuda, int64, uint32
 
-from bench_moe import SHAPES as MODELS, Timer, captured, replayed
+from bench_moe import SHAPES as MODELS, Timer, captured
 from numba_kernels import ptx
 from numba_kernels.fragments import CHUNK_N, SLAB_K
-from numba_kernels.launch import launch_kernel
+from numba_kernels.launch import launch_kernel, replaying
 from reads import PlainReads
 
 WARPS_K, BATCH = 4, 4  # the GEMM's warps along K and slabs per batch
@@ -121,7 +121,7 @@ def timed(timer, kernel, grid: int, words, sink, chunks: int, slabs: int, per_sm
     def run():
         launch_kernel(kernel, grid, 32 * WARPS_K, words, sink, chunks, slabs, shared_bytes=shared)
 
-    return timer(captured(replayed(run)))
+    return timer(captured(replaying(run)))
 
 
 def main() -> None:
@@ -140,7 +140,7 @@ def main() -> None:
             figures = [(label, timed(timer, shaped_reads(chunk_major), grid, words, sink, chunks, slabs, per_sm))
                        for label, chunk_major, per_sm in variants]
             plain = PlainReads([nbytes])  # held: the graph does not keep its buffer alive
-            figures.append(("plain", timer(captured(replayed(plain)))))
+            figures.append(("plain", timer(captured(replaying(plain)))))
             print(f"{name} ({nbytes / 1e6:.1f} MB): " + ", ".join(
                 f"{label} {ms * 1e3:.1f} ({nbytes / ms / 1e9:.2f})" for label, ms in figures), flush=True)
             if (model, tokens, experts) in WORKED_ROWS:  # work per slab against batches in flight, at 4 CTAs / SM
