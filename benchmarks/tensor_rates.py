@@ -1,7 +1,7 @@
 """Dense tensor-core ceilings a Numba kernel reaches on this GPU: mma.sync m16n8k16 (the
 prefill GEMM's instruction, a 64 x 64 tile a warp as in its main loop) against Hopper's
-warpgroup mma (`ptx.warpgroup_mma`: A from registers, B from shared memory), each in a
-loop with no memory traffic, beside torch's bf16 matmul. It bounds what the prefill
+warpgroup mma (`ptx.warpgroup_mma`: A from registers, B from shared memory;
+`ptx.shared_warpgroup_mma`: both from shared memory), each in a loop with no memory traffic, beside torch's bf16 matmul. It bounds what the prefill
 GEMMs could gain by moving to wgmma (BENCHMARKS.md, twenty-ninth session).
 
     python benchmarks/tensor_rates.py
@@ -52,10 +52,13 @@ def mma_sync_kernel():
     return run, 4 * 8 * 2 * 16 * 8 * 16 / 32  # flops a thread and iteration
 
 
-def warpgroup_kernel(n: int):
-    """Each warpgroup: UNROLL m64nNk16 mma a commit, on one B tile in shared memory."""
-    mma, wait_all = ptx.warpgroup_mma("bfloat16", n), ptx.warpgroup_wait[0]
-    tile_words, regs = n * 8, n // 2  # 16 x n halves
+def warpgroup_kernel(n: int, a_in_shared: bool = False):
+    """Each warpgroup: UNROLL m64nNk16 mma a commit, on one B tile (and A tile) in shared
+    memory."""
+    mma = (ptx.shared_warpgroup_mma if a_in_shared else ptx.warpgroup_mma)("bfloat16", n)
+    wait_all = ptx.warpgroup_wait[0]
+    b_words, regs = n * 8, n // 2  # 16 x n halves
+    tile_words = b_words + 512  # and A, 64 x 16 halves, after it
 
     @ptx.kernel
     def run(words, out, iterations):
@@ -63,6 +66,7 @@ def warpgroup_kernel(n: int):
         tile = cuda.shared.array(tile_words, uint32)
         for w in range(i, tile_words, cuda.blockDim.x):
             tile[w] = uint32(words[w % 32])
+        ptx.async_proxy_fence()
         cuda.syncthreads()
         w = uint32(words[i % 32])
         acc = cuda.local.array(regs, float32)
@@ -71,7 +75,10 @@ def warpgroup_kernel(n: int):
         ptx.warpgroup_fence()
         for _ in range(iterations):
             for _ in range(UNROLL):
-                mma(w, w ^ uint32(1), w ^ uint32(2), w ^ uint32(3), tile, 0, 128, 256, acc, 0)
+                if a_in_shared:
+                    mma(tile, b_words, 128, 256, 0, 128, 256, acc, 0)
+                else:
+                    mma(w, w ^ uint32(1), w ^ uint32(2), w ^ uint32(3), tile, 0, 128, 256, acc, 0)
             ptx.warpgroup_commit()
         wait_all()
         total = float32(0.0)
@@ -101,6 +108,7 @@ def main(argv=None) -> None:
     print(f"{torch.cuda.get_device_name()}, {datetime.date.today()}: torch bf16 matmul 8192^3 {reference:.0f} TFLOP/s")
     rows = [("mma.sync m16n8k16, 64 x 64 a warp", *mma_sync_kernel())]
     rows += [(f"warpgroup mma m64n{n}k16, A in registers", *warpgroup_kernel(n)) for n in (64, 128, 256)]
+    rows += [(f"warpgroup mma m64n{n}k16, A in shared", *warpgroup_kernel(n, True)) for n in (64, 128, 256)]
     for name, kernel, flops in rows:
         for per_sm, threads in ((1, 256), (2, 256)):
             rate = tflops(timer, kernel, flops, per_sm * sms, threads, words)

@@ -32,6 +32,10 @@ base, j, bytes)``                                            without registers
 ``warpgroup_mma(h, n)``  wgmma.mma_async.m64nNk16, A in      Hopper's asynchronous
 (a0..a3, s, i, lbo,      registers, B in shared memory       tensor cores (measured by
 sbo, acc, j)             (a matrix descriptor)               ``benchmarks/tensor_rates``)
+``shared_warpgroup_mma  the same, A in shared memory too    a decoded A tile shared
+(h, n)(s, i, lbo, sbo,   (a second descriptor)               by many slots (prefill)
+j, lbo, sbo, acc, j)``
+``async_proxy_fence()``  fence.proxy.async.shared::cta       threads' stores -> wgmma
 ``warpgroup_fence()``    wgmma.fence                         before a group's first mma
 ``warpgroup_commit()``   wgmma.commit_group                  close a group of mma
 ``warpgroup_wait[n]()``  wgmma.wait_group n                  all but the newest n groups
@@ -75,7 +79,11 @@ a thread, from flat element j of a float32 array, updated in place).
 B is read by the tensor cores from shared memory, in 8 x 8 *core matrices* of 128
 contiguous bytes (no swizzle): element (k, col) at byte 4 * i + (col // 8) * sbo + (k // 8) *
 lbo + (col % 8) * 16 + (k % 8) * 2 of the uint32 shared array (i a word offset; lbo, sbo and
-the address multiples of 16). The instruction is asynchronous: a thread may go on
+the address multiples of 16). ``shared_warpgroup_mma`` reads A from shared memory the
+same way, row r of A as column r of B (K-major core matrices, its own lbo and sbo). The
+tensor cores read shared memory through the *async proxy*: a thread that stored words of
+an A or B tile calls ``async_proxy_fence`` before the barrier after which the mma is
+issued, or the mma may read the old words. The instruction is asynchronous: a thread may go on
 (dequantising the next operands, say) while it runs; ``warpgroup_fence`` must come before
 the first mma of a group whose A or accumulators other instructions wrote, and the
 accumulators may be read, and the shared B overwritten, only after a ``warpgroup_wait``
@@ -83,7 +91,7 @@ that covers it. ptxas enforces the register half of that rule itself, bluntly: w
 instruction writes registers that an mma in flight may read (the next slab's A fragments
 decoded into registers an earlier mma reads), it serialises every wgmma of the kernel
 (warning C7513), so wait for the older group (``warpgroup_wait[1]``) before overwriting
-them. The twin computes at issue and checks the shared half: it raises if a B tile
+them. The twin computes at issue and checks the shared half: it raises if an A or B tile
 changed between an mma and the wait that covers it.
 
 This is the only module that reaches below Numba's public kernel API (the vector load is
@@ -396,38 +404,49 @@ def _warpgroup_state():
 
 
 def _core_matrix_words(offset: int, lbo: int, sbo: int, n: int) -> np.ndarray:
-    """(16, n) flat word indices and half (0 low, 1 high) of B's elements in shared memory."""
+    """(16, n) flat word indices and half (0 low, 1 high) of a K-major operand's elements
+    (k, col) in shared memory: B's columns, or A's rows (col = row)."""
     k, col = np.meshgrid(np.arange(16), np.arange(n), indexing="ij")
     byte = 4 * offset + (col // 8) * sbo + (k // 8) * lbo + (col % 8) * 16 + (k % 8) * 2
     return byte // 4, (byte // 2) % 2
 
 
-def _twin_warpgroup(half: str, n: int):
-    """wgmma m64nNk16 with A from registers (module docstring), computed at issue; each
-    mma remembers the B words it read so that `warpgroup_wait` can check them."""
+def _read_core_matrices(flat, offset, lbo, sbo, n: int, half: str, state) -> np.ndarray:
+    """The (16, n) values a descriptor names, remembered with the words read (for the
+    wait's check that they are not overwritten while the mma may still read them)."""
+    if (4 * int(offset)) % 16 or int(lbo) % 16 or int(sbo) % 16:
+        raise ValueError("warpgroup_mma: a shared tile's address, lbo and sbo must be multiples of 16 bytes")
+    words, which = _core_matrix_words(int(offset), int(lbo), int(sbo), n)
+    read = np.array(flat[words], np.uint32)
+    state["open"].append((flat, words, read))
+    return _halves_to_f64(read, half)[np.arange(16)[:, None], np.arange(n)[None, :], which]
+
+
+def _twin_warpgroup(half: str, n: int, a_in_shared: bool):
+    """wgmma m64nNk16 with A from registers or shared memory (module docstring), computed
+    at issue; each mma remembers the shared words it read so that `warpgroup_wait` can
+    check them."""
     regs = n // 2
 
-    def warpgroup_mma(a0, a1, a2, a3, shared, offset, lbo, sbo, acc, first):
-        if (4 * int(offset)) % 16 or int(lbo) % 16 or int(sbo) % 16:
-            raise ValueError("warpgroup_mma: the B tile's address, lbo and sbo must be multiples of 16 bytes")
+    def multiply(a_words, shared, a_tile, b_tile, acc, first):
         index, state = _warpgroup_state()
         flat_acc = acc.reshape(-1)
-        state["slots"][index] = (a0, a1, a2, a3, tuple(flat_acc[first:first + regs]))
+        state["slots"][index] = (a_words, tuple(flat_acc[first:first + regs]))
         state["barrier"].wait()
         if index == 0:
             a, d = np.zeros((64, 16)), np.zeros((64, n))
+            flat = shared.reshape(-1)
+            if a_in_shared:
+                a = _read_core_matrices(flat, *a_tile, 64, half, state).T
             for warp in range(4):
                 lanes = state["slots"][32 * warp: 32 * warp + 32]
-                halves = _halves_to_f64(np.array([s[:4] for s in lanes], dtype=np.uint64), half)  # (32, 4, 2)
-                accs = np.array([s[4] for s in lanes], dtype=np.float64).reshape(32, regs // 4, 4)
-                a[16 * warp:16 * warp + 16] = _a_tile(halves)  # each warp a 16-row m16n8k16 A tile...
+                accs = np.array([s[1] for s in lanes], dtype=np.float64).reshape(32, regs // 4, 4)
+                if not a_in_shared:  # each warp a 16-row m16n8k16 A tile...
+                    halves = _halves_to_f64(np.array([s[0] for s in lanes], dtype=np.uint64), half)  # (32, 4, 2)
+                    a[16 * warp:16 * warp + 16] = _a_tile(halves)
                 for j in range(n // 8):  # ...and a C tile per n8 column tile
                     d[16 * warp:16 * warp + 16, 8 * j:8 * j + 8] = _c_tile(accs[:, j])
-            flat = shared.reshape(-1)
-            words, which = _core_matrix_words(int(offset), int(lbo), int(sbo), n)
-            read = np.array(flat[words], np.uint32)
-            b = _halves_to_f64(read, half)[np.arange(16)[:, None], np.arange(n)[None, :], which]
-            state["open"].append((flat, words, read))
+            b = _read_core_matrices(flat, *b_tile, n, half, state)
             state["result"] = (a @ b + d).astype(np.float32)
         state["barrier"].wait()
         d = state["result"]
@@ -437,6 +456,15 @@ def _twin_warpgroup(half: str, n: int):
         out = np.stack([d[rows, cols], d[rows, cols + 1], d[rows + 8, cols], d[rows + 8, cols + 1]], axis=1)
         state["barrier"].wait()
         flat_acc[first:first + regs] = out.reshape(-1)
+
+    if a_in_shared:
+        def shared_warpgroup_mma(shared, a_offset, a_lbo, a_sbo, b_offset, b_lbo, b_sbo, acc, first):
+            multiply(None, shared, (a_offset, a_lbo, a_sbo), (b_offset, b_lbo, b_sbo), acc, first)
+
+        return shared_warpgroup_mma
+
+    def warpgroup_mma(a0, a1, a2, a3, shared, offset, lbo, sbo, acc, first):
+        multiply((a0, a1, a2, a3), shared, None, (offset, lbo, sbo), acc, first)
 
     return warpgroup_mma
 
@@ -462,7 +490,8 @@ def _twin_warpgroup_wait(newest: int):
             state["overwritten"] = overwritten
         state["barrier"].wait()
         if state["overwritten"]:
-            raise RuntimeError("warpgroup_mma: its shared B tile was overwritten before the warpgroup_wait that covers it")
+            raise RuntimeError("warpgroup_mma: a shared tile it read was overwritten before the warpgroup_wait that "
+                               "covers it")
         state["barrier"].wait()
 
     return warpgroup_wait
@@ -721,46 +750,82 @@ def _gpu_async_copies():
     return copy_async, commit_copies, {n: wait(n) for n in range(8)}
 
 
-def _gpu_warpgroup(half: str, n: int):
-    """warpgroup_mma for `half` operands and n columns, an intrinsic: the accumulators
-    are loaded from their array, pass through one inline-asm statement (each tied to its
-    output) and are stored back; in a local array indexed by constants they are registers,
-    which ptxas keeps in place from one mma to the next (no moves between HGMMA)."""
+def _gpu_warpgroup(half: str, n: int, a_in_shared: bool):
+    """warpgroup_mma (A words in registers) or shared_warpgroup_mma (A in shared memory)
+    for `half` operands and n columns, an intrinsic: the accumulators are loaded from
+    their array, pass through one inline-asm statement (each tied to its output) and are
+    stored back; in a local array indexed by constants they are registers, which ptxas
+    keeps in place from one mma to the next (no moves between HGMMA)."""
     from llvmlite import ir
     from numba.cuda.extending import intrinsic
 
     regs, kind = n // 2, "bf16" if half == "bfloat16" else "f16"
-    outputs, a = ",".join(f"${i}" for i in range(regs)), ",".join(f"${2 * regs + i}" for i in range(4))
-    asm = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} {{{outputs}}}, {{{a}}}, ${2 * regs + 4}, 1, 1, 1, 0;"
-    constraints = ",".join(["=f"] * regs + [str(i) for i in range(regs)] + ["r"] * 4 + ["l"])
+    outputs = ",".join(f"${i}" for i in range(regs))
+    if a_in_shared:  # operands: A's and B's descriptors; scale-d, scale-a, scale-b, both K-major
+        asm = (f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} {{{outputs}}}, ${2 * regs}, "
+               f"${2 * regs + 1}, 1, 1, 1, 0, 0;")
+        constraints = ",".join(["=f"] * regs + [str(i) for i in range(regs)] + ["l", "l"])
+    else:  # operands: A's 4 words, B's descriptor; scale-d, scale-a, scale-b, B K-major
+        a = ",".join(f"${2 * regs + i}" for i in range(4))
+        asm = (f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} {{{outputs}}}, {{{a}}}, ${2 * regs + 4}, "
+               f"1, 1, 1, 0;")
+        constraints = ",".join(["=f"] * regs + [str(i) for i in range(regs)] + ["r"] * 4 + ["l"])
+
+    def descriptor(context, builder, arg_types, values):
+        """The 64-bit matrix descriptor of (shared, offset, lbo, sbo): bits 17 .. 4 of the
+        shared address, of lbo (at bit 16) and of sbo (at 32)."""
+        i64 = ir.IntType(64)
+        address = builder.ptrtoint(_shared_pointer(context, builder, arg_types[0], values[0], arg_types[1], values[1]), i64)
+
+        def field(value, shift):
+            return builder.shl(builder.and_(builder.lshr(value, ir.Constant(i64, 4)), ir.Constant(i64, 0x3FFF)),
+                               ir.Constant(i64, shift))
+
+        lbo, sbo = (context.cast(builder, values[i], arg_types[i], types.int64) for i in (2, 3))
+        return builder.or_(builder.or_(field(address, 0), field(lbo, 16)), field(sbo, 32))
+
+    def multiply(context, builder, sig, args, operands, acc: int):
+        """The asm statement on `operands`, the accumulators of args[acc], args[acc + 1]."""
+        i64, f32 = ir.IntType(64), ir.FloatType()
+        base = _element_pointer(context, builder, sig.args[acc], args[acc], sig.args[acc + 1], args[acc + 1])
+        slots = [builder.gep(base, [ir.Constant(i64, i)]) for i in range(regs)]
+        fn = ir.FunctionType(ir.LiteralStructType([f32] * regs), [f32] * regs + [o.type for o in operands])
+        new = builder.call(ir.InlineAsm(fn, asm, constraints, side_effect=True),
+                           [builder.load(slot) for slot in slots] + operands)
+        for i, slot in enumerate(slots):
+            builder.store(builder.extract_value(new, i), slot)
+        return context.get_dummy_value()
+
+    def check_accumulators(acc, first, integers):
+        _check_flat(acc, first)
+        if acc.dtype != float32 or not all(isinstance(x, types.Integer) for x in integers):
+            raise TypeError(f"warpgroup mma needs integer A words or offsets, lbo and sbo, and a float32 "
+                            f"accumulator array with an integer offset, got {acc}")
+
+    if a_in_shared:
+        @intrinsic
+        def shared_warpgroup_mma(typingctx, shared, a_offset, a_lbo, a_sbo, b_offset, b_lbo, b_sbo, acc, first):
+            _check_flat(shared, a_offset)
+            _check_flat(shared, b_offset)
+            check_accumulators(acc, first, (a_lbo, a_sbo, b_lbo, b_sbo))
+
+            def codegen(context, builder, sig, args):
+                a = descriptor(context, builder, sig.args[:4], args[:4])
+                b = descriptor(context, builder, (sig.args[0],) + sig.args[4:7], (args[0],) + tuple(args[4:7]))
+                return multiply(context, builder, sig, args, [a, b], 7)
+
+            return types.void(shared, a_offset, a_lbo, a_sbo, b_offset, b_lbo, b_sbo, acc, first), codegen
+
+        return shared_warpgroup_mma
 
     @intrinsic
     def warpgroup_mma(typingctx, a0, a1, a2, a3, shared, offset, lbo, sbo, acc, first):
         _check_flat(shared, offset)
-        _check_flat(acc, first)
-        if acc.dtype != float32 or not all(isinstance(x, types.Integer) for x in (a0, a1, a2, a3, lbo, sbo)):
-            raise TypeError(f"warpgroup_mma needs 4 integer A words, a shared array, integer offset, lbo and sbo, "
-                            f"and a float32 accumulator array with an integer offset, got {acc}")
+        check_accumulators(acc, first, (a0, a1, a2, a3, lbo, sbo))
 
         def codegen(context, builder, sig, args):
-            i64, f32 = ir.IntType(64), ir.FloatType()
-            address = builder.ptrtoint(_shared_pointer(context, builder, sig.args[4], args[4], sig.args[5], args[5]), i64)
-
-            def field(value, shift):  # bits 17 .. 4 of value, at `shift`
-                return builder.shl(builder.and_(builder.lshr(value, ir.Constant(i64, 4)), ir.Constant(i64, 0x3FFF)),
-                                   ir.Constant(i64, shift))
-
-            lbo_, sbo_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (6, 7))
-            descriptor = builder.or_(builder.or_(field(address, 0), field(lbo_, 16)), field(sbo_, 32))
             words = [context.cast(builder, args[i], sig.args[i], types.uint32) for i in range(4)]
-            base = _element_pointer(context, builder, sig.args[8], args[8], sig.args[9], args[9])
-            slots = [builder.gep(base, [ir.Constant(i64, i)]) for i in range(regs)]
-            fn = ir.FunctionType(ir.LiteralStructType([f32] * regs), [f32] * regs + [ir.IntType(32)] * 4 + [i64])
-            new = builder.call(ir.InlineAsm(fn, asm, constraints, side_effect=True),
-                               [builder.load(slot) for slot in slots] + words + [descriptor])
-            for i, slot in enumerate(slots):
-                builder.store(builder.extract_value(new, i), slot)
-            return context.get_dummy_value()
+            return multiply(context, builder, sig, args, words + [descriptor(context, builder, sig.args[4:8], args[4:8])], 8)
 
         return types.void(a0, a1, a2, a3, shared, offset, lbo, sbo, acc, first), codegen
 
@@ -844,6 +909,10 @@ warpgroup_fence = _twin_no_op if SIMULATED else _gpu_statement("wgmma.fence.sync
 warpgroup_commit = _twin_warpgroup_commit if SIMULATED else _gpu_statement("wgmma.commit_group.sync.aligned;")
 warpgroup_wait = {n: _twin_warpgroup_wait(n) if SIMULATED else _gpu_statement(f"wgmma.wait_group.sync.aligned {n};")
                   for n in range(8)}
+# async_proxy_fence(): this thread's shared-memory stores (words of an A or B tile) become
+# visible to the tensor cores' reads of a later warpgroup mma (after a barrier for other
+# threads' stores).
+async_proxy_fence = _twin_no_op if SIMULATED else _gpu_statement("fence.proxy.async.shared::cta;")
 _load4 = load_words[4]
 # and_or(a, mask, bits) = (a & mask) | bits in one instruction (ptxas splits the pair when
 # both constants are immediates): the int4 code -> magic-half step of dequantisation.
@@ -875,14 +944,27 @@ def mma(half: str):
 WARPGROUP_COLUMNS = tuple(range(8, 257, 8))
 
 
+def _check_columns(n: int) -> None:
+    if n not in WARPGROUP_COLUMNS:
+        raise ValueError(f"warpgroup mma columns n must be a multiple of 8 from 8 to 256, got {n!r}")
+
+
 @functools.cache
 def warpgroup_mma(half: str, n: int):
     """Warpgroup-collective D = A @ B + D, m64nNk16, A in registers, B in shared memory
     (module docstring), n / 2 float32 accumulators a thread, in place; sm_90a."""
     _check_half(half)
-    if n not in WARPGROUP_COLUMNS:
-        raise ValueError(f"warpgroup mma columns n must be a multiple of 8 from 8 to 256, got {n!r}")
-    return _twin_warpgroup(half, n) if SIMULATED else _gpu_warpgroup(half, n)
+    _check_columns(n)
+    return _twin_warpgroup(half, n, False) if SIMULATED else _gpu_warpgroup(half, n, False)
+
+
+@functools.cache
+def shared_warpgroup_mma(half: str, n: int):
+    """warpgroup_mma with A (64 x 16) in shared memory too, K-major core matrices like B's
+    (module docstring): (shared, a_offset, a_lbo, a_sbo, b_offset, b_lbo, b_sbo, acc, first)."""
+    _check_half(half)
+    _check_columns(n)
+    return _twin_warpgroup(half, n, True) if SIMULATED else _gpu_warpgroup(half, n, True)
 
 
 @functools.cache

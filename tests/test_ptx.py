@@ -323,10 +323,16 @@ def _warpgroup_operands(rng, n, lbo, sbo):
                        _words(a_bits[rows + 8, 2 * t], a_bits[rows + 8, 2 * t + 1]),
                        _words(a_bits[rows, 2 * t + 8], a_bits[rows, 2 * t + 9]),
                        _words(a_bits[rows + 8, 2 * t + 8], a_bits[rows + 8, 2 * t + 9])], axis=1)
+    return a_frag, _core_matrices(b_bits, lbo, sbo), _halves(a_bits, "bfloat16"), _halves(b_bits, "bfloat16")
+
+
+def _core_matrices(bits: np.ndarray, lbo: int, sbo: int) -> np.ndarray:
+    """Words of a K-major operand (16 x n halves, (k, col)) in core matrices at lbo / sbo."""
+    n = bits.shape[1]
     k, col = np.meshgrid(np.arange(16), np.arange(n), indexing="ij")
     halves = np.zeros(((n // 8 - 1) * sbo + lbo + 128) // 2, np.uint16)
-    halves[((col // 8) * sbo + (k // 8) * lbo + (col % 8) * 16 + (k % 8) * 2) // 2] = b_bits
-    return a_frag, halves.view(np.uint32), _halves(a_bits, "bfloat16"), _halves(b_bits, "bfloat16")
+    halves[((col // 8) * sbo + (k // 8) * lbo + (col % 8) * 16 + (k % 8) * 2) // 2] = bits
+    return halves.view(np.uint32)
 
 
 def _warpgroup_result(frags: np.ndarray, n: int) -> np.ndarray:
@@ -353,6 +359,7 @@ def _warpgroup_kernel(n, tile_words, overwrite=False):
         tiles = cuda.shared.array(words, uint32)
         for w in range(i, words, cuda.blockDim.x):
             tiles[w] = uint32(b_words[w])
+        ptx.async_proxy_fence()
         cuda.syncthreads()
         acc = cuda.local.array(acc_size, float32)
         for r in range(acc_size):
@@ -404,9 +411,65 @@ def test_warpgroup_twin_rejects_a_b_tile_overwritten_before_its_wait():
         _run_warpgroups(8, 128, 128, overwrite=True)
 
 
+@needs_warpgroups
+@pytest.mark.parametrize("n, a_lbo, a_sbo", [(16, 128, 256), (32, 1024, 128), (8, 144, 288)])
+def test_shared_warpgroup_mma_reads_a_from_core_matrices_too(n, a_lbo, a_sbo):
+    """A (64 x 16) and B in one shared array, each in core matrices at its own strides;
+    two mma on two A tiles and two B tiles accumulate; the twin rejects an A tile
+    overwritten before the wait."""
+    mma, wait_all = ptx.shared_warpgroup_mma("bfloat16", n), ptx.warpgroup_wait[0]
+    rng = np.random.default_rng(n)
+    a_bits = [_random_half_bits(rng, (64, 16), "bfloat16") for _ in range(2)]
+    b_bits = [_random_half_bits(rng, (16, n), "bfloat16") for _ in range(2)]
+    a_words = [_core_matrices(a.T, a_lbo, a_sbo) for a in a_bits]
+    b_words = [_core_matrices(b, 128, 256) for b in b_bits]
+    a_size, b_size = a_words[0].size, b_words[0].size  # multiples of 16 bytes, as the strides
+    size = 2 * (a_size + b_size)
+    words = np.zeros(size, np.uint32)
+    for i in range(2):
+        words[i * a_size:i * a_size + a_words[i].size] = a_words[i]
+        words[2 * a_size + i * b_size:2 * a_size + i * b_size + b_words[i].size] = b_words[i]
+
+    regs = n // 2
+
+    def run(overwrite):
+        @ptx.kernel
+        def multiply_twice(source, out):
+            i = cuda.threadIdx.x
+            tiles = cuda.shared.array(size, uint32)
+            for w in range(i, size, 128):
+                tiles[w] = uint32(source[w])
+            ptx.async_proxy_fence()
+            cuda.syncthreads()
+            acc = cuda.local.array(regs, float32)
+            for r in range(regs):
+                acc[r] = float32(0.0)
+            ptx.warpgroup_fence()
+            for j in range(2):
+                mma(tiles, j * a_size, a_lbo, a_sbo, 2 * a_size + j * b_size, 128, 256, acc, 0)
+            ptx.warpgroup_commit()
+            if overwrite:
+                tiles[a_size] = uint32(0x3F803F80)
+            wait_all()
+            for r in range(regs):
+                out[i, r] = acc[r]
+
+        out = np.full((128, regs), np.nan, np.float32)
+        multiply_twice[1, 128](words, out)
+        return out
+
+    expected = sum(_halves(a, "bfloat16") @ _halves(b, "bfloat16") for a, b in zip(a_bits, b_bits))
+    np.testing.assert_allclose(_warpgroup_result(run(False), n), expected, rtol=1e-5, atol=1e-5)
+    if ptx.SIMULATED:
+        with pytest.raises(RuntimeError, match="overwritten before the warpgroup_wait"):
+            run(True)
+
+
 def test_warpgroup_mma_rejects_column_counts_the_instruction_lacks():
     with pytest.raises(ValueError, match="multiple of 8 from 8 to 256"):
         ptx.warpgroup_mma("bfloat16", 12)
+    with pytest.raises(ValueError, match="multiple of 8 from 8 to 256"):
+        ptx.shared_warpgroup_mma("bfloat16", 264)
 
 
 @pytest.mark.skipif(not ptx.SIMULATED, reason="the twin's check (on the GPU a partial warpgroup is undefined)")
