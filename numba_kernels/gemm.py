@@ -83,14 +83,6 @@ from .rows import ZERO
 from .weights import KernelWeights
 
 
-# A warpgroup tile's stage buffer holds each slab's activations as wgmma's B operand: per
-# 8 slots, two 8 x 8 core matrices (K halves) of 32 words, CORE_MATRIX_SPAN words apart,
-# the next 8 slots CORE_GROUP_SPAN words on (`ptx` docstring). Its decoded weights, A,
-# are laid out alike, 8 features for 8 slots: a 64-feature chunk's slab is A_TILE_WORDS.
-CORE_MATRIX_SPAN, CORE_GROUP_SPAN = 32, 64
-A_TILE_WORDS = CHUNK_N // 8 * CORE_GROUP_SPAN
-
-
 def _positive_power_of_two(instance, attribute, value):
     if not isinstance(value, int) or value < 1 or value & (value - 1):
         raise ValueError(f"{attribute.name} must be a positive power of two, got {value!r}")
@@ -130,11 +122,6 @@ class GemmTile:
                     only (an expert's last block) runs a copy of the main loop without
                     them, one copy per count of tiles in use (fewer mma where experts get a
                     few blocks each, but about twice the code to compile).
-    warpgroup:      prefill on Hopper (sm_90a), one warpgroup (warps_m = 1, warps_n x
-                    warps_k = 4): each warp decodes its chunk's slab into shared memory,
-                    and the warpgroup multiplies every decoded slab by all block_m slots in
-                    one wgmma (`ptx.shared_warpgroup_mma`, N = block_m <= 256), so a weight
-                    is dequantised once for the whole block (module docstring).
 
     A tile whose warps come in gate/up pairs (`pairs_warps`) fuses only gemm1's activation,
     finished in its epilogue (`paired_activation`); others fuse from float32 partials.
@@ -154,7 +141,6 @@ class GemmTile:
     steady_loop: bool = False
     chunks_first: bool = False
     trim_padding: bool = False
-    warpgroup: bool = False
 
     def __attrs_post_init__(self):
         if self.steady_loop and self.a_in_shared:
@@ -169,11 +155,6 @@ class GemmTile:
             raise ValueError(f"block_m ({self.block_m}) must be a multiple of 16 * warps_m ({16 * self.warps_m})")
         if self.threads > 1024:
             raise ValueError(f"a tile of {self.threads} threads exceeds the 1024 a CTA may have")
-        if self.warpgroup and not (self.a_in_shared and self.warps_m == 1 and self.threads == 128
-                                   and self.warps_n * self.block_m <= 256 and not self.fused_reduction):
-            raise ValueError(f"warpgroup takes a prefill tile (a_in_shared) of one warpgroup (warps_m = 1, warps_n x "
-                             f"warps_k = 4), warps_n x block_m <= 256 (the accumulators) and no fused_reduction, "
-                             f"got {self}")
 
     @property
     def threads(self) -> int:
@@ -183,15 +164,14 @@ class GemmTile:
     def trimmable(self) -> bool:
         """Whether `trim_padding` applies: a prefill tile whose one warp along the rows has
         two m tiles or more."""
-        return self.a_in_shared and self.warps_m == 1 and self.block_m >= 32 and not self.warpgroup
+        return self.a_in_shared and self.warps_m == 1 and self.block_m >= 32
 
     @property
     def pairs_warps(self) -> bool:
         """Whether `fused_reduction` means gemm1's activation finished by pairs of warps
         in the epilogue (`paired_activation`), not from partials: every prefill tile, and
         a decode tile with one K split and two or more warps along N."""
-        return (self.a_in_shared and not self.warpgroup) or (not self.a_in_shared and self.split_k == 1
-                                                             and self.warps_n >= 2)
+        return self.a_in_shared or (self.split_k == 1 and self.warps_n >= 2)
 
     @property
     def block_n(self) -> int:
@@ -206,17 +186,6 @@ class GemmTile:
         """Words per activation row of a prefill stage buffer: the stage's K as half pairs,
         padded by 4 so that `ldmatrix`'s 8 rows x 16 bytes hit 32 banks."""
         return self.stage_slabs * SLAB_K // 2 + 4
-
-    @property
-    def slab_words(self) -> int:
-        """warpgroup: words of one slab's activations in a stage buffer, block_m / 8 groups
-        of two core matrices."""
-        return self.block_m // 8 * CORE_GROUP_SPAN
-
-    @property
-    def stage_activation_words(self) -> int:
-        """Words of one stage buffer's activations: padded rows, or warpgroup slabs."""
-        return self.stage_slabs * self.slab_words if self.warpgroup else self.block_m * self.row_words
 
     def grid(self, num_blocks: int, n: int) -> tuple[int, int, int]:
         """(x, y, z) CTAs: token blocks and output chunks in `chunks_first` order, K splits."""
@@ -251,8 +220,7 @@ def stage_buffer_bytes(spec: QuantSpec, n: int, k: int, half: str, tile: GemmTil
     if not tile.a_in_shared:
         return 0
     staged = staged_weights(spec, n, k, half, tile.warps_n, tile.stage_slabs, tile.threads)
-    decoded = 2 * 4 * A_TILE_WORDS if tile.warpgroup else 0  # two slots of the four warps' A tiles
-    return 4 * (tile.stages * (tile.stage_activation_words + staged.stage_words) + decoded)
+    return 4 * tile.stages * (tile.block_m * tile.row_words + staged.stage_words)
 
 
 @functools.cache
@@ -285,11 +253,10 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     early_weights = alignment_ready and not a_in_shared  # prefill's first copies include activations
     warps_n, warps_k, depth, stage_slabs = tile.warps_n, tile.warps_k, tile.slabs_per_warp, tile.stage_slabs
     warp_rows = block_m // tile.warps_m
-    swap_ab, warpgroup = tile.swap_ab, tile.warpgroup
+    swap_ab = tile.swap_ab
     m_tiles = 1 if swap_ab else warp_rows // 16  # 16-row A tiles of activations (8-slot B tile when swapped)
-    # Accumulator tiles (i, j): (m tile, n8 tile of features), or (16 features, the 8 slots)
-    # swapped, or (chunk, 8 slots) for the warpgroup's 16 features of each chunk.
-    acc_i, acc_j = (CHUNK_N // 16, 1) if swap_ab else (warps_n, block_m // 8) if warpgroup else (m_tiles, 8)
+    # Accumulator tiles (i, j): (m tile, n8 tile of features), or (16 features, the 8 slots) swapped.
+    acc_i, acc_j = (CHUNK_N // 16, 1) if swap_ab else (m_tiles, 8)
     row_halves = 1 if swap_ab else 2  # activation rows a lane reads per m tile: g (and g + 8)
     teams = warps_n * tile.warps_m  # warps that own distinct output tiles
     total_slabs = -(-k // SLAB_K)
@@ -315,7 +282,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     whole_chunks = n % CHUNK_N == 0  # no column past N in a chunk of N: only warps past N skip their stores
     raw_words = reader.raw_words
     reduce_warps = max(warps_k - 1, 1)
-    reduce_values = acc_i * acc_j * 4 * 32 if warps_k > 1 and not warpgroup else 1  # accumulators of one warp
+    reduce_values = acc_i * acc_j * 4 * 32 if warps_k > 1 else 1  # accumulators of one warp
     # Decode reads A pairs with one flat load each: padding rows read row 0 instead (their
     # outputs are never stored, and an mma row depends on its own A row only).
     flat_a = pair_loads and size_k % SLAB_K == 0
@@ -326,9 +293,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     a_units_per_row = stage_slabs * SLAB_K // 8
     a_units = block_m * a_units_per_row
     a_copies = -(-a_units // threads)
-    a_buffer_words = tile.stage_activation_words
-    a_stage_words = stages * a_buffer_words  # the activation stage buffers, all stages
-    slab_words = tile.slab_words
+    a_stage_words = stages * block_m * row_words  # the activation stage buffers, all stages
     staged = None
     if a_in_shared:
         if not pair_loads:
@@ -548,11 +513,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                 slot = slots[m]
                 row = slot // rows_div if slot < num_slots else 0  # padding rows read row 0
                 a_source[i] = uint32(row) * uint32(pairs_per_row) + 4 * c
-                if warpgroup:  # slab c // 2, core matrix (m // 8, c % 2), row m % 8 of it
-                    a_target[i] = ((c // uint32(2)) * uint32(slab_words) + (m // uint32(8)) * uint32(CORE_GROUP_SPAN)
-                                   + (c % uint32(2)) * uint32(CORE_MATRIX_SPAN) + (m % uint32(8)) * uint32(4))
-                else:
-                    a_target[i] = m * uint32(row_words) + 4 * c
+                a_target[i] = m * uint32(row_words) + 4 * c
                 a_slab[i] = c // uint32(2)
 
     def activation_copier(checked: bool):
@@ -581,7 +542,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         """Start the copies of `stage` into `buffer`: one commit group, empty past the end."""
         if stage < end_slab:
             remaining = uint32(end_slab - stage)
-            a_base, w_base = uint32(buffer) * uint32(a_buffer_words), uint32(buffer) * uint32(stage_words)
+            a_base, w_base = uint32(buffer) * uint32(block_m * row_words), uint32(buffer) * uint32(stage_words)
             if remaining >= uint32(stage_slabs):
                 copy_activations(act, stage, remaining, a_source, a_target, a_slab, a_tiles, a_base)
                 copy_weights(weights, w_source, stage, w_tiles, w_base, thread)
@@ -685,97 +646,12 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
 
         return choose
 
-    def warpgroup_loop():
-        """run(...): the main loop of a warpgroup tile. Per slab, each warp decodes its
-        chunk's slab into its A tile in shared memory (one of two slots) while the tensor
-        cores multiply the other slot's four tiles by the block's slots; a barrier a slab
-        (every warp's tile stored), one more a stage (every copy landed), and a wait for all
-        mma before a stage's buffer is refilled."""
-        multiply_columns = ptx.shared_warpgroup_mma(half, block_m)
-        wait_older_mma, wait_mma = ptx.warpgroup_wait[1], ptx.warpgroup_wait[0]
-        decoded_base = a_stage_words + stages * stage_words  # the A tiles, after the stage buffers
-        slot_words, regs = 4 * A_TILE_WORDS, block_m // 2
-        strides = 4 * CORE_MATRIX_SPAN, 4 * CORE_GROUP_SPAN  # bytes: lbo (along K), sbo (8 rows on)
-
-        @ptx.device
-        def decode_to_tile(weights, expert, slab, local_slab, read_chunk, chunk, lane, warp, shared, w_tiles, buffer,
-                           raw, params, frags, slot):
-            """This warp's slab of its chunk, decoded into its A tile of `slot`: fragment
-            word 2 nt + h (features 8 nt + g, k 2t + 8h) is row g, word t of core matrix
-            (nt, h), so each store of the warp fills one core matrix."""
-            fetch_weights(w_tiles, buffer, local_slab, read_chunk, lane, raw)
-            decode(raw, params, weights, expert, slab, chunk, lane, frags)
-            base = uint32(decoded_base) + slot * uint32(slot_words) + uint32(warp * A_TILE_WORDS) + uint32(lane)
-            for nt in range(8):
-                for h in range(2):
-                    shared[base + uint32(nt * CORE_GROUP_SPAN + h * CORE_MATRIX_SPAN)] = frags[2 * nt + h]
-            ptx.async_proxy_fence()
-
-        @ptx.device
-        def multiply_tiles(shared, buffer, d, slot, acc):
-            """acc[c] += A @ B for the four warps' tiles of `slot`: warp q's chunk q //
-            warps_k and its slab (q % warps_k) x depth + d of the stage."""
-            ptx.warpgroup_fence()
-            for q in range(4):
-                multiply_columns(shared, uint32(decoded_base) + slot * uint32(slot_words) + uint32(q * A_TILE_WORDS),
-                                 strides[0], strides[1],
-                                 buffer * uint32(a_buffer_words) + uint32(((q % warps_k) * depth + d) * slab_words),
-                                 strides[0], strides[1], acc, (q // warps_k) * regs)
-            ptx.warpgroup_commit()
-
-        def slab_step(d: int):
-            """Step d of a stage: multiply the slabs decoded last step, then decode the
-            warps' next slabs (for the last step: the next stage's first, once it has
-            landed) into the other slot, once the mma that read it are done."""
-            last = d + 1 == depth
-
-            @ptx.device
-            def step(weights, expert, stage, own, read_chunk, chunk, lane, warp, shared, w_tiles, buffer, after, raw,
-                     params, frags, first_slot, acc):
-                slot = (first_slot + uint32(d)) & uint32(1)
-                multiply_tiles(shared, buffer, d, slot, acc)
-                wait_older_mma()
-                if last:
-                    wait_copies()
-                    cuda.syncthreads()  # every thread's copies of the next stage have landed
-                    decode_to_tile(weights, expert, stage + stage_slabs + own, own, read_chunk, chunk, lane, warp,
-                                   shared, w_tiles, after, raw, params, frags, slot ^ uint32(1))
-                else:
-                    decode_to_tile(weights, expert, stage + own + d + 1, own + d + 1, read_chunk, chunk, lane, warp,
-                                   shared, w_tiles, buffer, raw, params, frags, slot ^ uint32(1))
-                cuda.syncthreads()  # every warp's tile is stored
-
-            return step
-
-        multiply_stage = functools.reduce(then, [slab_step(d) for d in range(depth)])
-
-        @ptx.device
-        def run(act, weights, expert, start_slab, end_slab, own, read_chunk, chunk, lane, warp, shared, w_tiles, raw,
-                params, frags, acc, a_source, a_target, a_slab, w_source, tid):
-            decode_to_tile(weights, expert, start_slab + own, own, read_chunk, chunk, lane, warp, shared, w_tiles,
-                           uint32(0), raw, params, frags, uint32(0))
-            cuda.syncthreads()
-            stage, buffer, slot = start_slab, uint32(0), uint32(0)
-            while stage < end_slab:
-                after = uint32(buffer + 1) if buffer < uint32(stages - 1) else uint32(0)
-                multiply_stage(weights, expert, stage, own, read_chunk, chunk, lane, warp, shared, w_tiles, buffer,
-                               after, raw, params, frags, slot, acc)
-                wait_mma()  # the stage's last mma have read `buffer`: it may be refilled
-                issue_stage(act, weights, uint32(stage + stages * stage_slabs), end_slab, a_source, a_target, a_slab,
-                            w_source, shared, w_tiles, buffer, tid)
-                slot ^= uint32(depth % 2)
-                stage = uint32(stage + stage_slabs)
-                buffer = after
-
-        return run
-
     # trim_padding: a block whose last m tiles hold padding only runs a copy of the loop
     # without them, one copy per count of tiles in use: no branch inside a loop (a branch
     # per m tile in the loop made every prefill GEMM slower, BENCHMARKS.md).
     trims = tile.trim_padding
     run_prefill = functools.reduce(lambda fewer, tiles: loop_choice(tiles, fewer),
                                    range(1 if trims else m_tiles, m_tiles + 1), None)
-    run_warpgroup = warpgroup_loop() if warpgroup else None
 
     @ptx.device
     def slots_ready(held):
@@ -894,28 +770,6 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
             if whole_chunks or pair < uint32(size_n // 2):
                 row[pair] = int32(pack2(acc[mt, nt, 2 * r] * weight, acc[mt, nt, 2 * r + 1] * weight))
 
-    def warpgroup_store_step(j: int):
-        @ptx.device
-        def store_slots(acc, out, split, slots, num_slots, topk_weights, multiplier, first_chunk, warp, lane):
-            """A warpgroup tile's outputs of slots 8 j + 2t, + 1: this warp's 16 features
-            of each chunk. Built per j in Python and chained, so every accumulator index
-            is a constant (a rolled loop put the accumulators in local memory)."""
-            g, t = lane // 4, lane % 4
-            for r in range(2):
-                slot = slots[8 * j + 2 * t + r]
-                if slot < num_slots:
-                    weight = multiplier
-                    if mul_routed_weight:
-                        weight *= topk_weights[slot]
-                    for c in range(warps_n):
-                        for h in range(2):
-                            col = (first_chunk + c) * CHUNK_N + 16 * warp + 8 * h + g
-                            store(out, split, slot, col, acc[c, j, 2 * h + r] * weight)
-
-        return store_slots
-
-    store_warpgroup = functools.reduce(then, [warpgroup_store_step(j) for j in range(acc_j)]) if warpgroup else None
-
     @ptx.kernel
     def grouped_gemm(act, weights, sorted_ids, expert_ids, num_post_padded, topk_weights, out, reduced, arrivals,
                      num_slots, rows_div):
@@ -952,9 +806,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         split = cuda.blockIdx.z
         if a_in_shared:
             stage_buffers = cuda.shared.array(0, uint32)  # dynamic (stage_buffer_bytes), 16-byte aligned
-            # stages x block_m x row_words, by flat offsets; a warpgroup tile's mma address its
-            # A tiles past the stage buffers and the activations by offsets in the same array
-            a_tiles = stage_buffers if warpgroup else stage_buffers[:a_stage_words]
+            a_tiles = stage_buffers[:a_stage_words]  # stages x block_m x row_words, by flat offsets
             w_tiles = stage_buffers[a_stage_words:]  # stages x stage_words
         elif paired:
             a_tiles = cuda.shared.array(exchange_words, uint32)  # the pairs' exchange (decode)
@@ -997,12 +849,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                                 a_slab, w_source, a_tiles, w_tiles, uint32(s), tid)
                 wait_first_stage()
                 cuda.syncthreads()
-                if warpgroup:
-                    run_warpgroup(act, weights, expert, first_slab, last_slab, own, read_chunk, chunk, lane, warp,
-                                  a_tiles, w_tiles, raw, params, frag_slots[0], acc, a_source, a_target, a_slab,
-                                  w_source, tid)
-                else:
-                    run_prefill(used_tiles, act, weights, expert, first_slab, last_slab, own, read_chunk, chunk, lane,
+                run_prefill(used_tiles, act, weights, expert, first_slab, last_slab, own, read_chunk, chunk, lane,
                             a_lane, a_tiles, w_tiles, raw, params, frag_slots, a_slots, acc, a_source, a_target, a_slab,
                             w_source, tid)
             else:
@@ -1050,7 +897,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         # stores, fused finish). Released right after the wait instead, they sat beside this
         # kernel's main loop and slowed it (Qwen3 NVFP4 M = 1 on the H200: 26 -> 35 us).
         ptx.release_next()
-        if warps_k > 1 and not warpgroup:  # a warpgroup's accumulators are whole
+        if warps_k > 1:
             partial = cuda.shared.array((reduce_warps, teams, reduce_values), float32)
             team = warp // warps_k
             if wk > 0:
@@ -1084,8 +931,6 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                 else:
                     finish_gate(acc, a_tiles, reduced, slots, num_slots, team + half_n, gate_chunk, multiplier,
                                 first_row, lane)
-        elif warpgroup:
-            store_warpgroup(acc, out, split, slots, num_slots, topk_weights, multiplier, column * warps_n, warp, lane)
         elif wk == 0 and (chunk < n_chunks or not whole_chunks):
             for mt in range(m_tiles):
                 for r in range(2):  # this lane's slots: rows g and g + 8 of the m tile, or slots 2t, 2t + 1 swapped
@@ -1116,8 +961,8 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
 def stores_pairs(tile: GemmTile, n: int, partial_output: bool) -> bool:
     """Whether the kernel writes half outputs two columns per store, taking `out` as an
     int32 (rows, N / 2) view: halves, N even, and a lane holding adjacent columns (not
-    swap_ab or warpgroup)."""
-    return not partial_output and not tile.swap_ab and not tile.warpgroup and n % 2 == 0
+    swap_ab)."""
+    return not partial_output and not tile.swap_ab and n % 2 == 0
 
 
 def pair_loads(k: int, spec: QuantSpec) -> bool:
@@ -1205,8 +1050,6 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
             out = interop.empty(expected, torch.float32 if partial_output else act.dtype)
         out = interop.check_tensor("out", out, dtype=torch.float32 if partial_output else act.dtype, shape=expected)
     pairs = pair_loads(k, weights.spec)
-    if tile.warpgroup and not ptx.SIMULATED and not ptx.hopper():
-        raise ValueError("tile.warpgroup needs a Hopper GPU (wgmma, sm_90a): use a tile without it")
     if tile.a_in_shared:
         if not prefill_supported(weights.spec, n, k, half, tile):
             raise ValueError(f"tile.a_in_shared: {weights.spec.name} weights of shape {(n, k)} cannot be staged "

@@ -10,7 +10,7 @@ from hypothesis import assume, given, settings, strategies as st
 
 from layouts import BitPack, Layout, Quantized, Tensor, Transpose, formats
 from layouts.strategies import random_quantized, spec_for
-from numba_kernels import interop, ptx
+from numba_kernels import interop
 from numba_kernels.align import moe_align_block_size
 from numba_kernels.fragments import (COPY_OFFSET_LIMIT, copy_offsets_fit, e2m1_moves, fast_path_supported, fragment_reader,
                                      lane_scales)
@@ -171,25 +171,6 @@ def test_prefill_pipeline_at_every_group_size_code_width_and_stage_depth(spec, h
     2 to 4 buffers; a K split; warps splitting a stage; a partial last stage (K = 96)."""
     assert prefill_supported(spec, 80, 96, interop.HALF_NAMES[half], tile)
     assert_close(*run_case(spec, (2, 80, 96), tokens=3, top_k=2, tile=tile, half=half))
-
-
-WARPGROUP = GemmTile(block_m=16, warps_n=4, warps_k=1, slabs_per_warp=2, stages=2, a_in_shared=True, warpgroup=True)
-
-
-@pytest.mark.parametrize("spec, half, tile", [
-    (formats.native(4, 32, zero_points=True), torch.bfloat16, WARPGROUP),
-    (formats.native(fp4=True), torch.float16, attrs.evolve(WARPGROUP, block_m=32, warps_n=2, warps_k=2,
-                                                            slabs_per_warp=1, stages=3)),
-    (formats.native(8, 64, half="float16"), torch.float16, attrs.evolve(WARPGROUP, warps_n=1, warps_k=4,
-                                                                         slabs_per_warp=1, split_k=2)),
-])
-def test_warpgroup_tiles_multiply_decoded_tiles_in_shared_memory_by_every_slot(spec, half, tile):
-    """The four warps' decoded slabs (chunks side by side or slabs of one stage) against
-    the block's slots staged as core matrices: 2 or 3 buffers, an odd depth (the A slot
-    alternating across stages), a partial last stage (K = 96), N = 240 (a chunk part past
-    N), a K split, a block with padding slots."""
-    assert prefill_supported(spec, 240, 96, interop.HALF_NAMES[half], tile)
-    assert_close(*run_case(spec, (2, 240, 96), tokens=5, top_k=2, tile=tile, half=half))
 
 
 TRIMMED = GemmTile(block_m=64, warps_k=1, slabs_per_warp=2, stages=2, a_in_shared=True, trim_padding=True)
@@ -473,11 +454,6 @@ def test_tile_parameters_are_validated():
                         dict(block_m=64, warps_m=2, a_in_shared=True)):
         with pytest.raises(ValueError, match="trim_padding is for prefill tiles"):
             GemmTile(**untrimmable, trim_padding=True)
-    for not_one_warpgroup in (dict(warps_n=4, warps_k=1), dict(block_m=128, warps_n=4, warps_k=1, a_in_shared=True),
-                              dict(block_m=32, warps_n=2, warps_k=1, a_in_shared=True),
-                              dict(block_m=32, warps_n=4, warps_k=1, a_in_shared=True, fused_reduction=True)):
-        with pytest.raises(ValueError, match="warpgroup takes a prefill tile"):
-            GemmTile(**not_one_warpgroup, warpgroup=True)
 
 
 @pytest.mark.gpu
@@ -495,20 +471,4 @@ def test_tile_parameters_are_validated():
     GemmTile(block_m=64, warps_m=2, warps_n=4, warps_k=1, slabs_per_warp=2, stages=3, split_k=2, a_in_shared=True)])
 @pytest.mark.parametrize("spec", [formats.native(4, 128), formats.native(fp4=True)], ids=["int4", "nvfp4"])
 def test_realistic_shapes_on_the_gpu(name, shape, top_k, tokens, tile, spec):
-    assert_close(*run_case(spec, shape, tokens=tokens, top_k=top_k, tile=tile))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not ptx.SIMULATED and not ptx.hopper(), reason="wgmma needs sm_90a")
-@pytest.mark.parametrize("name, shape, top_k, tokens", [
-    ("qwen3_gemm1", (16, 1536, 2048), 8, 64), ("qwen3_gemm2", (16, 2048, 768), 8, 200),
-])
-@pytest.mark.parametrize("tile", [
-    GemmTile(block_m=128, warps_n=2, warps_k=2, slabs_per_warp=2, stages=3, a_in_shared=True, warpgroup=True),
-    GemmTile(block_m=64, warps_n=4, warps_k=1, slabs_per_warp=4, stages=2, a_in_shared=True, chunks_first=True,
-             warpgroup=True),
-    GemmTile(block_m=256, warps_n=1, warps_k=4, slabs_per_warp=1, stages=3, split_k=2, a_in_shared=True,
-             warpgroup=True)])
-@pytest.mark.parametrize("spec", [formats.native(4, 128), formats.native(fp4=True)], ids=["int4", "nvfp4"])
-def test_warpgroup_tiles_on_realistic_shapes(name, shape, top_k, tokens, tile, spec):
     assert_close(*run_case(spec, shape, tokens=tokens, top_k=top_k, tile=tile))
