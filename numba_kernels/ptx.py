@@ -83,10 +83,10 @@ the address multiples of 16). ``shared_warpgroup_mma`` reads A from shared memor
 same way, row r of A as column r of B (K-major core matrices, its own lbo and sbo). The
 tensor cores read shared memory through the *async proxy*: a thread that stored words of
 an A or B tile calls ``async_proxy_fence`` before the barrier after which the mma is
-issued, or the mma may read the old words. The instruction is asynchronous: a thread may go on
-(dequantising the next operands, say) while it runs; ``warpgroup_fence`` must come before
+issued, or the mma may read the old words. The instruction is asynchronous: a thread may
+go on (dequantising the next operands, say) while it runs; ``warpgroup_fence`` must come before
 the first mma of a group whose A or accumulators other instructions wrote, and the
-accumulators may be read, and the shared B overwritten, only after a ``warpgroup_wait``
+accumulators may be read, and the shared tiles overwritten, only after a ``warpgroup_wait``
 that covers it. ptxas enforces the register half of that rule itself, bluntly: where an
 instruction writes registers that an mma in flight may read (the next slab's A fragments
 decoded into registers an earlier mma reads), it serialises every wgmma of the kernel
