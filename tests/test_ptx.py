@@ -345,6 +345,16 @@ def _warpgroup_result(frags: np.ndarray, n: int) -> np.ndarray:
     return d
 
 
+@ptx.device
+def _stage_tile_words(tiles, source, count):
+    """tiles[:count] = source[:count], stored by the block's threads and visible to a
+    warpgroup mma issued after this."""
+    for w in range(cuda.threadIdx.x, count, cuda.blockDim.x):
+        tiles[w] = uint32(source[w])
+    ptx.async_proxy_fence()
+    cuda.syncthreads()
+
+
 def _warpgroup_kernel(n, tile_words, overwrite=False):
     """Two warpgroups g, two mma each: thread i's first A words on tile g, then its
     second on tile 1 - g, into the same accumulators; with `overwrite`, a word of the
@@ -357,10 +367,7 @@ def _warpgroup_kernel(n, tile_words, overwrite=False):
         i = cuda.threadIdx.x
         group = i // 128
         tiles = cuda.shared.array(words, uint32)
-        for w in range(i, words, cuda.blockDim.x):
-            tiles[w] = uint32(b_words[w])
-        ptx.async_proxy_fence()
-        cuda.syncthreads()
+        _stage_tile_words(tiles, b_words, words)
         acc = cuda.local.array(acc_size, float32)
         for r in range(acc_size):
             acc[r] = float32(0.0)
@@ -437,10 +444,7 @@ def test_shared_warpgroup_mma_reads_a_from_core_matrices_too(n, a_lbo, a_sbo):
         def multiply_twice(source, out):
             i = cuda.threadIdx.x
             tiles = cuda.shared.array(size, uint32)
-            for w in range(i, size, 128):
-                tiles[w] = uint32(source[w])
-            ptx.async_proxy_fence()
-            cuda.syncthreads()
+            _stage_tile_words(tiles, source, size)
             acc = cuda.local.array(regs, float32)
             for r in range(regs):
                 acc[r] = float32(0.0)
