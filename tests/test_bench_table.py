@@ -1,0 +1,40 @@
+"""The table at the top of BENCHMARKS.md is the render of the saved benchmark run
+(`benchmarks/results/`), so its ratios cannot drift from the measurements by hand edits."""
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+_SPEC = importlib.util.spec_from_file_location("bench_table", ROOT / "benchmarks" / "bench_table.py")
+bench_table = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(bench_table)
+
+RESULTS = sorted((ROOT / "benchmarks" / "results").glob("*.json"))
+
+
+def row(**changes):
+    base = dict(shape="qwen3", format="w4a16-g128", M=1, experts_touched=8, floor_ms=0.0046, gemm_ms=0.0180,
+                fraction_of_floor=0.25, layer_ms=0.0219, torch_ms=0.6215, grouped_mm_ms=0.0625)
+    return {**base, **changes}
+
+
+def test_line_ratio_is_bold_above_the_line_and_blank_past_decode():
+    assert bench_table.line_ratio(row()) == "**1.24**"  # 0.0180 / (0.0046 / 0.7 + 0.008)
+    assert bench_table.line_ratio(row(gemm_ms=0.0100)) == "0.69"
+    assert bench_table.line_ratio(row(M=64)) == ""
+
+
+def test_a_row_has_every_column():
+    cells = bench_table.table_row(row()).strip("|").split("|")
+    assert len(cells) == bench_table.HEADER.splitlines()[0].count("|") - 1
+    assert [c.strip() for c in cells[:3]] == ["Qwen3-30B-A3B", "w4a16-g128", "1"]
+    assert cells[-2].strip() == f"{0.6215 / 0.0180:.2f}x"
+
+
+@pytest.mark.skipif(not RESULTS, reason="no saved benchmark run")
+def test_benchmarks_md_holds_the_saved_run():
+    runs = [json.loads(path.read_text()) for path in RESULTS]  # the files' names order them as the table
+    assert bench_table.render(runs) in (ROOT / "BENCHMARKS.md").read_text()
