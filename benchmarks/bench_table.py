@@ -20,7 +20,7 @@ import json
 
 SHAPE_NAMES = {"qwen3": "Qwen3-30B-A3B", "mixtral": "Mixtral-8x7B", "deepseek": "DeepSeek-V3"}
 DECODE_TOKENS = 16  # issue 6's line applies up to this many tokens
-LINE_EFFICIENCY, LINE_LAUNCH_MS = 0.7, 0.008  # the line: floor / 0.7 + 8 us
+LINE_FRACTION, LINE_LAUNCH_MS = 0.7, 0.008  # the line: floor / 0.7 + 8 us
 
 HEADER = ("| shape | format | M | experts | floor ms | GEMMs ms | floor / GEMMs | GEMMs / line | layer ms | "
           "layer / GEMMs | torch loop ms | loop / GEMMs | grouped_mm ms |\n"
@@ -38,7 +38,7 @@ def line_ratio(row: dict) -> str:
     """GEMMs over issue 6's line, bold where above it; empty above `DECODE_TOKENS`."""
     if row["M"] > DECODE_TOKENS:
         return ""
-    ratio = row["gemm_ms"] / (row["floor_ms"] / LINE_EFFICIENCY + LINE_LAUNCH_MS)
+    ratio = row["gemm_ms"] / (row["floor_ms"] / LINE_FRACTION + LINE_LAUNCH_MS)
     return f"**{ratio:.2f}**" if ratio > 1 else f"{ratio:.2f}"
 
 
