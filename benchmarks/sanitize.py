@@ -5,8 +5,8 @@
 
 Covers routing (softmax and grouped sigmoid), alignment, routing and alignment fused (3
 tokens), repack (checkpoint conversion), the grouped GEMM with decode and prefill tiles
-(and the unchecked steady loop over 4-bit and NVFP4 weights), activation, combine, LoRA
-and dequantize, each layer call twice (recorded, then replayed).
+(the unchecked steady loop over 4-bit and NVFP4 weights, warps along K adding up),
+activation, combine, LoRA and dequantize, each layer call twice (recorded, then replayed).
 """
 
 import numpy as np
@@ -50,6 +50,12 @@ def main() -> None:
     nvfp4.fill_random()
     for weights in (layer.weights.w13, nvfp4.w13):
         grouped_gemm(hidden[:3], weights, *alignment, num_slots=6, tile=steady)
+    # Warps along K add up through shared memory, each tile summed and stored by its owner.
+    for tile in (GemmTile(block_m=8, warps_k=4, slabs_per_warp=2, swap_ab=True, split_k=2),
+                 GemmTile(block_m=16, warps_k=2, slabs_per_warp=2)):
+        aligned = moe_align_block_size(torch.tensor([[0, 5], [5, 7], [2, 0]], dtype=torch.int32, device="cuda"),
+                                       tile.block_m, 8)
+        grouped_gemm(hidden[:3], layer.weights.w13, *aligned, num_slots=6, tile=tile)
     torch.cuda.synchronize()
     print("all kernel families launched")
 

@@ -46,8 +46,11 @@ The operands come from one of two places, a tile option:
   integer work of dequantisation fills the tensor pipe's gaps (on the H200 the two
   Mixtral GEMMs at M = 4096 went from 9.8 to 8.6 ms with 64-feature stages).
 
-The first warp of each `warps_k` team writes the tile: half outputs (one K split) or
-float32 partials (split_k, slots, N) that the next kernel sums in a fixed order
+The warps of a `warps_k` team add up through shared memory, each accumulator tile summed
+(in warp order) and written by one owner warp, so the epilogue's sums and stores split
+warps_k ways instead of falling to the first warp alone (at decode its instructions run
+back to back in a few warps, with nothing to overlap them). A tile is written as half
+outputs (one K split) or float32 partials (split_k, slots, N) that the next kernel sums in a fixed order
 (deterministic, no atomics). gemm1 on a tile of paired warps (every prefill tile; a
 decode tile with warps_n >= 2 and one K split) may instead finish the activation itself
 (`paired_activation`): its CTA's first warps_n / 2 warps take gate chunks and the others
@@ -283,6 +286,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     raw_words = reader.raw_words
     reduce_warps = max(warps_k - 1, 1)
     reduce_values = acc_i * acc_j * 4 * 32 if warps_k > 1 else 1  # accumulators of one warp
+    reduce_words = reduce_warps * teams * reduce_values
     # Decode reads A pairs with one flat load each: padding rows read row 0 instead (their
     # outputs are never stored, and an mma row depends on its own A row only).
     flat_a = pair_loads and size_k % SLAB_K == 0
@@ -307,10 +311,14 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     # epilogue (`paired_activation`); other tiles finish either reduction from float32
     # partials (`epilogue`).
     paired = fused is not None and tile.pairs_warps
+    # Accumulator tile (i, j) is summed and stored by warp (i * acc_j + j) % spread of its
+    # team; a tile of paired warps gathers every tile in the team's first warp (its
+    # hand-over exchanges whole warps' tiles).
+    spread = 1 if paired else warps_k
     # The pairs' exchange: a prefill tile's idle stage buffers, a decode tile's own words
     # (per team: 8 words a lane and m tile, 4 a lane swapped).
     exchange_words = teams * 32 * (4 if swap_ab else 8 * m_tiles) if paired and not a_in_shared else 0
-    static_bytes = 4 * (block_m + reduce_warps * teams * reduce_values + exchange_words)
+    static_bytes = 4 * (block_m + reduce_words + exchange_words)
     if static_bytes > STATIC_SHARED_BYTES:
         raise ValueError(f"{tile} needs {static_bytes} bytes of static shared memory, more than "
                          f"{STATIC_SHARED_BYTES}: use fewer warps along K or rows")
@@ -748,26 +756,27 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     (hand_over_gate, finish_gate), (hand_over_up, finish_up) = pair_roles(False), pair_roles(True)
 
     @ptx.device
-    def store(out, split, slot, col, value):
-        if col < size_n:
+    def store(row, col, value):
+        """Column `col` (unsigned: one immediate offset per column from the row's address)
+        of a slot's row of `out`. Where N is whole chunks, the caller checks the chunk once."""
+        if whole_chunks or col < uint32(size_n):
             if partial_output:
-                out[split, slot, col] = value
+                row[col] = value
             else:
-                out[slot, col] = int16(to_half(value))
+                row[col] = int16(to_half(value))
 
     @ptx.device
-    def store_pairs(out, slot, chunk, t, acc, mt, r, weight):
-        """Row `r` of m tile `mt` (one slot) as 8 words of half pairs (`pair_stores`: `out`
-        viewed as int32 pairs), columns chunk * 64 + 8 nt + 2t, 2t + 1. One row address and
-        unsigned offsets, so the stores take immediate offsets: with a bounds check and
-        64-bit index arithmetic per column, a 64 x 64 warp tile's 64 stores took about
-        1,100 instructions, two main-loop stages' worth. Where N is whole chunks, the
-        caller checks the chunk once instead of every column here."""
-        row = out[uint32(slot)]
+    def store_pairs(row, chunk, t, acc, mt, r, weight, wk):
+        """Row `r` of m tile `mt` (one slot) as 8 words of half pairs (`pair_stores`: the
+        slot's `row` of `out` viewed as int32 pairs), columns chunk * 64 + 8 nt + 2t, 2t + 1, of the tiles warp
+        `wk` owns (`spread`). One row address and unsigned offsets, so the stores take
+        immediate offsets: with a bounds check and 64-bit index arithmetic per column, a
+        64 x 64 warp tile's 64 stores took about 1,100 instructions, two main-loop stages'
+        worth."""
         first = uint32(chunk * (CHUNK_N // 2) + t)
         for nt in range(8):
             pair = first + uint32(4 * nt)
-            if whole_chunks or pair < uint32(size_n // 2):
+            if (mt * 8 + nt) % spread == wk and (whole_chunks or pair < uint32(size_n // 2)):
                 row[pair] = int32(pack2(acc[mt, nt, 2 * r] * weight, acc[mt, nt, 2 * r + 1] * weight))
 
     @ptx.kernel
@@ -793,6 +802,8 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                 held |= 1 << (i // 16)
         if block * block_m >= num_post_padded[0]:
             return
+        # The epilogue's multiplier (NVFP4's global scale) loads now, not after the loop.
+        multiplier = output_scale(weights, expert) if expert >= 0 else float32(0.0)
         used_tiles = slots_ready(held)
         lane, warp = tid % 32, tid // 32
         g, t = lane // 4, lane % 4
@@ -898,22 +909,31 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         # kernel's main loop and slowed it (Qwen3 NVFP4 M = 1 on the H200: 26 -> 35 us).
         ptx.release_next()
         if warps_k > 1:
-            partial = cuda.shared.array((reduce_warps, teams, reduce_values), float32)
-            team = warp // warps_k
-            if wk > 0:
-                for i in range(acc_i):
-                    for j in range(acc_j):
+            # Each warp hands the tiles it does not own to their owners, one of warps_k - 1
+            # slots each (the writer's distance behind the owner); owners add in warp order.
+            partial = cuda.shared.array(reduce_words, float32)
+            team_words = uint32(warp // warps_k * reduce_warps * reduce_values + lane)
+            for i in range(acc_i):
+                for j in range(acc_j):
+                    owner = (i * acc_j + j) % spread
+                    if owner != wk:
+                        behind = uint32((wk + warps_k - 1 - owner) % warps_k * reduce_values)
                         for c in range(4):
-                            partial[wk - 1, team, ((i * acc_j + j) * 4 + c) * 32 + lane] = acc[i, j, c]
+                            partial[team_words + behind + uint32(((i * acc_j + j) * 4 + c) * 32)] = acc[i, j, c]
             cuda.syncthreads()
-            if wk == 0:
-                for other in range(warps_k - 1):
-                    for i in range(acc_i):
-                        for j in range(acc_j):
-                            for c in range(4):
-                                acc[i, j, c] += partial[other, team, ((i * acc_j + j) * 4 + c) * 32 + lane]
+            for i in range(acc_i):
+                for j in range(acc_j):
+                    if (i * acc_j + j) % spread == wk:
+                        for c in range(4):
+                            total = float32(0.0)
+                            for other in range(warps_k):
+                                if other == wk:
+                                    total += acc[i, j, c]
+                                else:
+                                    behind = uint32((other + warps_k - 1 - wk) % warps_k * reduce_values)
+                                    total += partial[team_words + behind + uint32(((i * acc_j + j) * 4 + c) * 32)]
+                            acc[i, j, c] = total
 
-        multiplier = output_scale(weights, expert) if expert >= 0 else float32(0.0)
         if paired:
             team = warp // warps_k
             if a_in_shared:  # every copy has landed (the last stage's wait); once no warp reads the stages:
@@ -931,7 +951,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                 else:
                     finish_gate(acc, a_tiles, reduced, slots, num_slots, team + half_n, gate_chunk, multiplier,
                                 first_row, lane)
-        elif wk == 0 and (chunk < n_chunks or not whole_chunks):
+        elif chunk < n_chunks or not whole_chunks:  # each warp stores the tiles it owns
             for mt in range(m_tiles):
                 for r in range(2):  # this lane's slots: rows g and g + 8 of the m tile, or slots 2t, 2t + 1 swapped
                     slot = slots[2 * t + r] if swap_ab else slots[first_row + 16 * mt + g + 8 * r]
@@ -939,18 +959,24 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                         weight = multiplier
                         if mul_routed_weight:
                             weight *= topk_weights[slot]
-                        if swap_ab:
-                            for j in range(acc_i):
-                                for h in range(2):
-                                    col = chunk * CHUNK_N + 16 * j + 8 * h + g
-                                    store(out, split, slot, col, acc[j, 0, 2 * h + r] * weight)
-                        elif pair_stores:
-                            store_pairs(out, slot, chunk, t, acc, mt, r, weight)
+                        if partial_output:  # one row address per slot, unsigned column offsets
+                            row = out[split, uint32(slot)]
                         else:
+                            row = out[uint32(slot)]
+                        if pair_stores:
+                            store_pairs(row, chunk, t, acc, mt, r, weight, wk)
+                        elif swap_ab:
+                            first = uint32(chunk * CHUNK_N + g)
+                            for j in range(acc_i):
+                                if j % spread == wk:
+                                    for h in range(2):
+                                        store(row, first + uint32(16 * j + 8 * h), acc[j, 0, 2 * h + r] * weight)
+                        else:
+                            first = uint32(chunk * CHUNK_N + 2 * t)
                             for nt in range(8):
-                                col = chunk * CHUNK_N + 8 * nt + 2 * t
-                                for c in range(2):
-                                    store(out, split, slot, col + c, acc[mt, nt, 2 * r + c] * weight)
+                                if (mt * 8 + nt) % spread == wk:
+                                    for c in range(2):
+                                        store(row, first + uint32(8 * nt + c), acc[mt, nt, 2 * r + c] * weight)
 
         if finishes:
             finish(out, reduced, arrivals, topk_weights, slots, num_slots, block, column, tid)
