@@ -47,7 +47,7 @@ The operands come from one of two places, a tile option:
   Mixtral GEMMs at M = 4096 went from 9.8 to 8.6 ms with 64-feature stages).
 
 The warps of a `warps_k` team add up through shared memory, each accumulator tile summed
-(in warp order) and written by one owner warp, so the epilogue's sums and stores split
+and written by one owner warp, so the epilogue's sums and stores split
 warps_k ways instead of falling to the first warp alone (at decode its instructions run
 back to back in a few warps, with nothing to overlap them). A tile is written as half
 outputs (one K split) or float32 partials (split_k, slots, N) that the next kernel sums in a fixed order
@@ -910,7 +910,8 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         ptx.release_next()
         if warps_k > 1:
             # Each warp hands the tiles it does not own to their owners, one of warps_k - 1
-            # slots each (the writer's distance behind the owner); owners add in warp order.
+            # slots each (the writer's distance behind the owner); owners add the others'
+            # in warp order (a tile of paired warps: as warp 0 always did).
             partial = cuda.shared.array(reduce_words, float32)
             team_words = uint32(warp // warps_k * reduce_warps * reduce_values + lane)
             for i in range(acc_i):
@@ -921,18 +922,14 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                         for c in range(4):
                             partial[team_words + behind + uint32(((i * acc_j + j) * 4 + c) * 32)] = acc[i, j, c]
             cuda.syncthreads()
-            for i in range(acc_i):
-                for j in range(acc_j):
-                    if (i * acc_j + j) % spread == wk:
-                        for c in range(4):
-                            total = float32(0.0)
-                            for other in range(warps_k):
-                                if other == wk:
-                                    total += acc[i, j, c]
-                                else:
-                                    behind = uint32((other + warps_k - 1 - wk) % warps_k * reduce_values)
-                                    total += partial[team_words + behind + uint32(((i * acc_j + j) * 4 + c) * 32)]
-                            acc[i, j, c] = total
+            for other in range(warps_k):  # a loop over whole tiles (unrolled), accumulators in registers
+                if other != wk:
+                    behind = uint32((other + warps_k - 1 - wk) % warps_k * reduce_values)
+                    for i in range(acc_i):
+                        for j in range(acc_j):
+                            if (i * acc_j + j) % spread == wk:
+                                for c in range(4):
+                                    acc[i, j, c] += partial[team_words + behind + uint32(((i * acc_j + j) * 4 + c) * 32)]
 
         if paired:
             team = warp // warps_k
