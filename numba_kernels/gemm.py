@@ -47,10 +47,10 @@ The operands come from one of two places, a tile option:
   Mixtral GEMMs at M = 4096 went from 9.8 to 8.6 ms with 64-feature stages).
 
 The warps of a `warps_k` team add up through shared memory, each accumulator tile summed
-and written by one owner warp, so the epilogue's sums and stores split
-warps_k ways instead of falling to the first warp alone (at decode its instructions run
-back to back in a few warps, with nothing to overlap them). A tile is written as half
-outputs (one K split) or float32 partials (split_k, slots, N) that the next kernel sums in a fixed order
+and written by one owner warp, so the epilogue's sums and stores split warps_k ways
+instead of falling to the first warp alone (at decode they run back to back in a few
+warps, with nothing to overlap them). A tile is written as half outputs (one K split) or
+float32 partials (split_k, slots, N) that the next kernel sums in a fixed order
 (deterministic, no atomics). gemm1 on a tile of paired warps (every prefill tile; a
 decode tile with warps_n >= 2 and one K split) may instead finish the activation itself
 (`paired_activation`): its CTA's first warps_n / 2 warps take gate chunks and the others
@@ -922,7 +922,9 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                         for c in range(4):
                             partial[team_words + behind + uint32(((i * acc_j + j) * 4 + c) * 32)] = acc[i, j, c]
             cuda.syncthreads()
-            for other in range(warps_k):  # a loop over whole tiles (unrolled), accumulators in registers
+            # Whole tiles inside the loop over warps: with that loop innermost, LLVM stopped
+            # unrolling the loops over tiles and the accumulators went to local memory.
+            for other in range(warps_k):
                 if other != wk:
                     behind = uint32((other + warps_k - 1 - wk) % warps_k * reduce_values)
                     for i in range(acc_i):

@@ -29,7 +29,10 @@ SWAPPED = attrs.evolve(SWAPPED_DECODE_TILE, split_k=2, fused_reduction=True)
 PREFILL_64 = PREFILL_TILE
 PREFILL_128 = attrs.evolve(PREFILL_TILE, block_m=128, warps_m=2, slabs_per_warp=2, stages=3)
 PAIRED_64 = attrs.evolve(PREFILL_TILE, fused_reduction=True)
-CASES = [(formats.native(4, 128), tile) for tile in (DECODE, SWAPPED, PREFILL_64, PAIRED_64, PREFILL_128)] + [
+# 8 warps along K (tuned Mixtral entries): the reduction's loops must unroll, or the
+# accumulators go to local memory (the fortieth session's flaw, seen here as ld.local).
+WIDE_K = GemmTile(block_m=16, warps_k=8, slabs_per_warp=2, steady_loop=True)
+CASES = [(formats.native(4, 128), tile) for tile in (DECODE, SWAPPED, WIDE_K, PREFILL_64, PAIRED_64, PREFILL_128)] + [
     (formats.native(fp4=True), tile) for tile in (DECODE, SWAPPED, PREFILL_64, PAIRED_64)]
 
 
