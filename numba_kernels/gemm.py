@@ -768,11 +768,11 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     @ptx.device
     def store_pairs(row, chunk, t, acc, mt, r, weight, wk):
         """Row `r` of m tile `mt` (one slot) as 8 words of half pairs (`pair_stores`: the
-        slot's `row` of `out` viewed as int32 pairs), columns chunk * 64 + 8 nt + 2t, 2t + 1, of the tiles warp
-        `wk` owns (`spread`). One row address and unsigned offsets, so the stores take
-        immediate offsets: with a bounds check and 64-bit index arithmetic per column, a
-        64 x 64 warp tile's 64 stores took about 1,100 instructions, two main-loop stages'
-        worth."""
+        slot's `row` of `out` viewed as int32 pairs), columns chunk * 64 + 8 nt + 2t,
+        2t + 1, of the tiles warp `wk` owns (`spread`). One row address and unsigned
+        offsets, so the stores take immediate offsets: with a bounds check and 64-bit index
+        arithmetic per column, a 64 x 64 warp tile's 64 stores took about 1,100
+        instructions, two main-loop stages' worth."""
         first = uint32(chunk * (CHUNK_N // 2) + t)
         for nt in range(8):
             pair = first + uint32(4 * nt)
