@@ -311,9 +311,9 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     # epilogue (`paired_activation`); other tiles finish either reduction from float32
     # partials (`epilogue`).
     paired = fused is not None and tile.pairs_warps
-    # Accumulator tile (i, j) is summed and stored by warp (i * acc_j + j) % spread of its
-    # team; a tile of paired warps gathers every tile in the team's first warp (its
-    # hand-over exchanges whole warps' tiles).
+    # Accumulator tile (i, j) is summed and stored by warp `owner(i, j)` of its team,
+    # (i * acc_j + j) % spread; a tile of paired warps gathers every tile in the team's
+    # first warp (its hand-over exchanges whole warps' tiles).
     spread = 1 if paired else warps_k
     # The pairs' exchange: a prefill tile's idle stage buffers, a decode tile's own words
     # (per team: 8 words a lane and m tile, 4 a lane swapped).
@@ -756,6 +756,17 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     (hand_over_gate, finish_gate), (hand_over_up, finish_up) = pair_roles(False), pair_roles(True)
 
     @ptx.device
+    def owner(i, j):
+        """The warp of the team (along K) that sums and stores accumulator tile (i, j)."""
+        return (i * acc_j + j) % spread
+
+    @ptx.device
+    def hand_over_words(writer, to):
+        """Where in its team's shared words warp `writer` hands tiles to warp `to`: one of
+        warps_k - 1 slots, the writer's distance behind the owner."""
+        return uint32((writer + warps_k - 1 - to) % warps_k * reduce_values)
+
+    @ptx.device
     def store(row, col, value):
         """Column `col` (unsigned: one immediate offset per column from the row's address)
         of a slot's row of `out`. Where N is whole chunks, the caller checks the chunk once."""
@@ -776,7 +787,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         first = uint32(chunk * (CHUNK_N // 2) + t)
         for nt in range(8):
             pair = first + uint32(4 * nt)
-            if (mt * 8 + nt) % spread == wk and (whole_chunks or pair < uint32(size_n // 2)):
+            if owner(mt, nt) == wk and (whole_chunks or pair < uint32(size_n // 2)):
                 row[pair] = int32(pack2(acc[mt, nt, 2 * r] * weight, acc[mt, nt, 2 * r + 1] * weight))
 
     @ptx.kernel
@@ -909,29 +920,27 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         # kernel's main loop and slowed it (Qwen3 NVFP4 M = 1 on the H200: 26 -> 35 us).
         ptx.release_next()
         if warps_k > 1:
-            # Each warp hands the tiles it does not own to their owners, one of warps_k - 1
-            # slots each (the writer's distance behind the owner); owners add the others'
-            # in warp order (a tile of paired warps: as warp 0 always did).
+            # Each warp hands the tiles it does not own to their owners; owners add the
+            # others' in warp order (a tile of paired warps: as warp 0 always did).
             partial = cuda.shared.array(reduce_words, float32)
             team_words = uint32(warp // warps_k * reduce_warps * reduce_values + lane)
             for i in range(acc_i):
                 for j in range(acc_j):
-                    owner = (i * acc_j + j) % spread
-                    if owner != wk:
-                        behind = uint32((wk + warps_k - 1 - owner) % warps_k * reduce_values)
+                    if owner(i, j) != wk:
+                        words = team_words + hand_over_words(wk, owner(i, j))
                         for c in range(4):
-                            partial[team_words + behind + uint32(((i * acc_j + j) * 4 + c) * 32)] = acc[i, j, c]
+                            partial[words + uint32(((i * acc_j + j) * 4 + c) * 32)] = acc[i, j, c]
             cuda.syncthreads()
             # Whole tiles inside the loop over warps: with that loop innermost, LLVM stopped
             # unrolling the loops over tiles and the accumulators went to local memory.
             for other in range(warps_k):
                 if other != wk:
-                    behind = uint32((other + warps_k - 1 - wk) % warps_k * reduce_values)
+                    words = team_words + hand_over_words(other, wk)
                     for i in range(acc_i):
                         for j in range(acc_j):
-                            if (i * acc_j + j) % spread == wk:
+                            if owner(i, j) == wk:
                                 for c in range(4):
-                                    acc[i, j, c] += partial[team_words + behind + uint32(((i * acc_j + j) * 4 + c) * 32)]
+                                    acc[i, j, c] += partial[words + uint32(((i * acc_j + j) * 4 + c) * 32)]
 
         if paired:
             team = warp // warps_k
@@ -967,13 +976,13 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                         elif swap_ab:
                             first = uint32(chunk * CHUNK_N + g)
                             for j in range(acc_i):
-                                if j % spread == wk:
+                                if owner(j, 0) == wk:
                                     for h in range(2):
                                         store(row, first + uint32(16 * j + 8 * h), acc[j, 0, 2 * h + r] * weight)
                         else:
                             first = uint32(chunk * CHUNK_N + 2 * t)
                             for nt in range(8):
-                                if (mt * 8 + nt) % spread == wk:
+                                if owner(mt, nt) == wk:
                                     for c in range(2):
                                         store(row, first + uint32(8 * nt + c), acc[mt, nt, 2 * r + c] * weight)
 
