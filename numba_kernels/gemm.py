@@ -920,8 +920,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         # kernel's main loop and slowed it (Qwen3 NVFP4 M = 1 on the H200: 26 -> 35 us).
         ptx.release_next()
         if warps_k > 1:
-            # Each warp hands the tiles it does not own to their owners; owners add the
-            # others' in warp order (a tile of paired warps: as warp 0 always did).
+            # Each warp hands the tiles it does not own to their owners, which sum them.
             partial = cuda.shared.array(reduce_words, float32)
             team_words = uint32(warp // warps_k * reduce_warps * reduce_values + lane)
             for i in range(acc_i):
@@ -931,16 +930,29 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                         for c in range(4):
                             partial[words + uint32(((i * acc_j + j) * 4 + c) * 32)] = acc[i, j, c]
             cuda.syncthreads()
-            # Whole tiles inside the loop over warps: with that loop innermost, LLVM stopped
-            # unrolling the loops over tiles and the accumulators went to local memory.
+            # Every tile is summed in warp order, a0 + a1 + ..., whichever warp owns it (its
+            # own tile joins at its turn): float sums in another order round differently,
+            # and the layer's fused and separate reductions must agree bit for bit (a paired
+            # tile gathers in warp 0). Whole tiles inside the loop over warps: with that loop
+            # innermost, LLVM stopped unrolling the loops over tiles and the accumulators went
+            # to local memory.
+            total = cuda.local.array((acc_i, acc_j, 4), float32)
             for other in range(warps_k):
-                if other != wk:
-                    words = team_words + hand_over_words(other, wk)
-                    for i in range(acc_i):
-                        for j in range(acc_j):
-                            if owner(i, j) == wk:
-                                for c in range(4):
-                                    acc[i, j, c] += partial[words + uint32(((i * acc_j + j) * 4 + c) * 32)]
+                words = team_words + hand_over_words(other, wk)
+                for i in range(acc_i):
+                    for j in range(acc_j):
+                        if owner(i, j) == wk:
+                            for c in range(4):
+                                if other == wk:
+                                    value = acc[i, j, c]
+                                else:
+                                    value = partial[words + uint32(((i * acc_j + j) * 4 + c) * 32)]
+                                total[i, j, c] = value if other == 0 else total[i, j, c] + value
+            for i in range(acc_i):
+                for j in range(acc_j):
+                    if owner(i, j) == wk:
+                        for c in range(4):
+                            acc[i, j, c] = total[i, j, c]
 
         if paired:
             team = warp // warps_k

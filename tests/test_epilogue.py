@@ -7,7 +7,7 @@ import pytest
 import torch
 from fusing import SeparateReductions, fuse_every_tile
 
-from layouts import formats
+from layouts import Quantized, formats
 from layouts.strategies import random_quantized
 from moe import MoEConfig, MoEHooks, MoELayer, QuantScheme
 from moe.oracle import Backend, heuristic_backend
@@ -146,6 +146,31 @@ def test_paired_warps_finish_the_activation_in_their_epilogue(tile, n, half):
     assert written is out
     assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
     assert (expected == 0).all(dim=1).any()  # the -1 block's rows
+
+
+def test_warps_along_k_add_in_warp_order_whichever_warp_stores_the_sum():
+    """Four warps along K, a slab each: fused, a paired tile gathers every tile in warp 0;
+    unfused, each 16-feature tile's owner warp sums it (warp 2 the third). Both must add
+    a0 + a1 + a2 + a3 in that order. Here every weight is 1 and the warps' sums are
+    a = (2**-24, 2**-24, 1, 2**-8): in order 1 + 2**-8 + 2**-23, a half rounding up to
+    1 + 2**-7, but started from warp 2's own, (1 + 2**-24 + 2**-24) + 2**-8 = 1 + 2**-8, which
+    rounds down to 1."""
+    tile, silu, slots, shape = attrs.evolve(SWAP_PAIRED, warps_k=4), Activation("silu"), 6, (4, 256, 64)
+    spec = formats.native(4, 32)
+    codes = np.full(shape, 9, np.uint8)  # symmetric int4: value 1
+    weights = KernelWeights.from_physical(spec, spec.pack(Quantized(codes, np.ones((4, 256, 2), np.float32))), shape)
+    device = interop.kernel_device()
+    act = torch.zeros(3, 64, dtype=torch.bfloat16)
+    act[:, [0, 16, 32, 48]] = torch.tensor([2.0 ** -24, 2.0 ** -24, 1.0, 2.0 ** -8], dtype=torch.bfloat16)
+    act = act.to(device)
+    topk_ids = torch.tensor([[0, 1], [2, 3], [1, 2]], dtype=torch.int32, device=device)
+    alignment = moe_align_block_size(topk_ids, tile.block_m, 4, check_ids=False)
+    halves = grouped_gemm(act, weights, *alignment, num_slots=slots, tile=tile)
+    assert (halves.float() == 1 + 2 ** -7).all()
+    expected = activate(halves, silu, out_dtype=torch.bfloat16)
+    out = torch.full_like(expected, float("nan"))
+    grouped_gemm(act, weights, *alignment, num_slots=slots, tile=tile, then=FusedActivation(silu, out, arrivals(0)))
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
 
 
 def test_tiles_of_paired_warps_finish_only_an_activation_they_can_pair():
