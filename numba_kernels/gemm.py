@@ -47,9 +47,9 @@ The operands come from one of two places, a tile option:
   Mixtral GEMMs at M = 4096 went from 9.8 to 8.6 ms with 64-feature stages).
 
 The warps of a `warps_k` team add up through shared memory, each accumulator tile summed
-and written by one owner warp, so the epilogue's sums and stores split warps_k ways
-instead of falling to the first warp alone (at decode they run back to back in a few
-warps, with nothing to overlap them). A tile is written as half outputs (one K split) or
+(in warp order, whichever warp does it: the same bits) and written by one owner warp, so
+the epilogue's sums and stores split warps_k ways instead of falling to the first warp
+alone (at decode they run back to back in a few warps, with nothing to overlap them). A tile is written as half outputs (one K split) or
 float32 partials (split_k, slots, N) that the next kernel sums in a fixed order
 (deterministic, no atomics). gemm1 on a tile of paired warps (every prefill tile; a
 decode tile with warps_n >= 2 and one K split) may instead finish the activation itself
@@ -284,9 +284,8 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     n_chunks = -(-n // CHUNK_N)
     whole_chunks = n % CHUNK_N == 0  # no column past N in a chunk of N: only warps past N skip their stores
     raw_words = reader.raw_words
-    reduce_warps = max(warps_k - 1, 1)
     reduce_values = acc_i * acc_j * 4 * 32 if warps_k > 1 else 1  # accumulators of one warp
-    reduce_words = reduce_warps * teams * reduce_values
+    reduce_words = warps_k * teams * reduce_values
     # Decode reads A pairs with one flat load each: padding rows read row 0 instead (their
     # outputs are never stored, and an mma row depends on its own A row only).
     flat_a = pair_loads and size_k % SLAB_K == 0
@@ -761,12 +760,6 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         return (i * acc_j + j) % spread
 
     @ptx.device
-    def hand_over_words(writer, to):
-        """Where in its team's shared words warp `writer` hands tiles to warp `to`: one of
-        warps_k - 1 slots, the writer's distance behind the owner."""
-        return uint32((writer + warps_k - 1 - to) % warps_k * reduce_values)
-
-    @ptx.device
     def store(row, col, value):
         """Column `col` (unsigned: one immediate offset per column from the row's address)
         of a slot's row of `out`. Where N is whole chunks, the caller checks the chunk once."""
@@ -920,39 +913,29 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         # kernel's main loop and slowed it (Qwen3 NVFP4 M = 1 on the H200: 26 -> 35 us).
         ptx.release_next()
         if warps_k > 1:
-            # Each warp hands the tiles it does not own to their owners, which sum them.
+            # Every warp writes its tiles to shared memory, and each tile's owner sums the
+            # warps' copies in warp order, a0 + a1 + ..., its own among them: float sums in
+            # another order round differently, and the layer's fused and separate
+            # reductions must agree bit for bit whichever warp owns a tile (a paired tile
+            # gathers all in warp 0). The loop over warps is outermost: with it innermost,
+            # LLVM stopped unrolling the loops over tiles and the accumulators went to local
+            # memory.
             partial = cuda.shared.array(reduce_words, float32)
-            team_words = uint32(warp // warps_k * reduce_warps * reduce_values + lane)
+            team_words = uint32(warp // warps_k * warps_k * reduce_values + lane)
+            own_words = team_words + uint32(wk * reduce_values)
             for i in range(acc_i):
                 for j in range(acc_j):
-                    if owner(i, j) != wk:
-                        words = team_words + hand_over_words(wk, owner(i, j))
-                        for c in range(4):
-                            partial[words + uint32(((i * acc_j + j) * 4 + c) * 32)] = acc[i, j, c]
+                    for c in range(4):
+                        partial[own_words + uint32(((i * acc_j + j) * 4 + c) * 32)] = acc[i, j, c]
             cuda.syncthreads()
-            # Every tile is summed in warp order, a0 + a1 + ..., whichever warp owns it (its
-            # own tile joins at its turn): float sums in another order round differently,
-            # and the layer's fused and separate reductions must agree bit for bit (a paired
-            # tile gathers in warp 0). Whole tiles inside the loop over warps: with that loop
-            # innermost, LLVM stopped unrolling the loops over tiles and the accumulators went
-            # to local memory.
-            total = cuda.local.array((acc_i, acc_j, 4), float32)
             for other in range(warps_k):
-                words = team_words + hand_over_words(other, wk)
+                words = team_words + uint32(other * reduce_values)
                 for i in range(acc_i):
                     for j in range(acc_j):
                         if owner(i, j) == wk:
                             for c in range(4):
-                                if other == wk:
-                                    value = acc[i, j, c]
-                                else:
-                                    value = partial[words + uint32(((i * acc_j + j) * 4 + c) * 32)]
-                                total[i, j, c] = value if other == 0 else total[i, j, c] + value
-            for i in range(acc_i):
-                for j in range(acc_j):
-                    if owner(i, j) == wk:
-                        for c in range(4):
-                            acc[i, j, c] = total[i, j, c]
+                                value = partial[words + uint32(((i * acc_j + j) * 4 + c) * 32)]
+                                acc[i, j, c] = value if other == 0 else acc[i, j, c] + value
 
         if paired:
             team = warp // warps_k
