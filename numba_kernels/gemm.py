@@ -49,9 +49,9 @@ The operands come from one of two places, a tile option:
 The warps of a `warps_k` team add up through shared memory, each accumulator tile summed
 (in warp order, whichever warp does it: the same bits) and written by one owner warp, so
 the epilogue's sums and stores split warps_k ways instead of falling to the first warp
-alone (at decode they run back to back in a few warps, with nothing to overlap them). A tile is written as half outputs (one K split) or
-float32 partials (split_k, slots, N) that the next kernel sums in a fixed order
-(deterministic, no atomics). gemm1 on a tile of paired warps (every prefill tile; a
+alone (at decode they run back to back in a few warps, with nothing to overlap them). A
+tile is written as half outputs (one K split) or float32 partials (split_k, slots, N)
+that the next kernel sums in a fixed order (deterministic, no atomics). gemm1 on a tile of paired warps (every prefill tile; a
 decode tile with warps_n >= 2 and one K split) may instead finish the activation itself
 (`paired_activation`): its CTA's first warps_n / 2 warps take gate chunks and the others
 the up chunks of the same features, and the two warps of a pair, holding a feature's

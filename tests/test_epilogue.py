@@ -152,9 +152,10 @@ def test_warps_along_k_add_in_warp_order_whichever_warp_stores_the_sum():
     """Four warps along K, a slab each: fused, a paired tile gathers every tile in warp 0;
     unfused, each 16-feature tile's owner warp sums it (warp 2 the third). Both must add
     a0 + a1 + a2 + a3 in that order. Here every weight is 1 and the warps' sums are
-    a = (2**-24, 2**-24, 1, 2**-8): in order 1 + 2**-8 + 2**-23, a half rounding up to
-    1 + 2**-7, but started from warp 2's own, (1 + 2**-24 + 2**-24) + 2**-8 = 1 + 2**-8, which
-    rounds down to 1."""
+    a = (2**-24, 2**-24, 1, 2**-8). In order they add to 1 + 2**-8 + 2**-23, just above the
+    midpoint of two bfloat16 values, so the half is 1 + 2**-7. Started from warp 2's own,
+    each 2**-24 added to 1 rounds away, the sum is the midpoint 1 + 2**-8 itself, and the
+    half ties to even: 1."""
     tile, silu, slots, shape = attrs.evolve(SWAP_PAIRED, warps_k=4), Activation("silu"), 6, (4, 256, 64)
     spec = formats.native(4, 32)
     codes = np.full(shape, 9, np.uint8)  # symmetric int4: value 1
