@@ -1,0 +1,108 @@
+"""Time the layer's two GEMMs and the whole layer under several source trees, side by side.
+
+A change to a kernel is judged against the code before it in one session on one card:
+differences of 1 to 3 % are real but smaller than the spread between benchmark runs. Each
+tree (a checkout, or `git archive <commit> numba_kernels moe layouts benchmarks | tar -x
+-C DIR`) runs in a process of its own, since the packages cannot be imported twice, and
+the trees take turns round by round, so that a drift of the card's clocks shows as a
+drift, not as a difference:
+
+    python benchmarks/compare_trees.py --trees before=/tmp/before after=. \\
+        --jobs qwen3:w4a16-g128:1 mixtral:nvfp4:4 --rounds 2
+
+A job is shape:format:M (`bench_moe.SHAPES`, `bench_moe.FORMATS`), timed with the tuned
+entry of its tree as `bench_moe` times it (GEMMs replayed from a CUDA graph with gemm2
+launched early, the L2 flushed, median of 40 replays; then the layer), best of three
+attempts a round. Routings are drawn per job from a seed of its own, the same in every
+tree. Prints one line per job and tree: the best GEMM time of each round, in us.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+
+def parse_job(job: str) -> tuple[str, str, int]:
+    """'qwen3:nvfp4:4' -> ('qwen3', 'nvfp4', 4)."""
+    parts = job.split(":")
+    if len(parts) != 3 or not parts[2].isdigit() or int(parts[2]) < 1:
+        raise ValueError(f"a job is shape:format:M with M a positive integer, got {job!r}")
+    return parts[0], parts[1], int(parts[2])
+
+
+def parse_tree(tree: str) -> tuple[str, str]:
+    """'before=/tmp/before' -> ('before', '/tmp/before')."""
+    name, separator, path = tree.partition("=")
+    if not separator or not name or not path:
+        raise ValueError(f"a tree is name=path, got {tree!r}")
+    return name, path
+
+
+def worker(tree: str, jobs: list[str], attempts: int = 3) -> None:
+    """Time `jobs` with the code of `tree` (imported from there); one JSON line per job."""
+    sys.path[:0] = [tree, os.path.join(tree, "benchmarks")]
+    import torch
+    from bench_moe import FORMATS, SHAPES, Timer, captured, layer_gemms, routing_for
+    from moe import MoEConfig, MoELayer
+    from numba_kernels.launch import replaying
+
+    timer = Timer()
+
+    def time_job(job: str) -> dict:
+        shape, format_name, tokens = parse_job(job)
+        config = MoEConfig(**SHAPES[shape], quant=FORMATS[format_name])
+        layer = MoELayer(config, max_tokens=tokens)
+        layer.weights.fill_random(seed=1)
+        generator = torch.Generator(device="cuda").manual_seed(tokens)
+        hidden = torch.randn(tokens, config.hidden_size, generator=generator, device="cuda").to(torch.bfloat16)
+        logits, topk_weights, topk_ids = routing_for(config, tokens, generator)
+        gemm1, gemm2, backend = layer_gemms(layer, hidden, topk_weights, topk_ids)
+
+        def gemms():
+            gemm1()
+            gemm2()
+
+        gemm_ms = min(timer(captured(replaying(gemms)), repeats=40) for _ in range(attempts))
+        layer_ms = min(timer(captured(lambda: layer(hidden, logits)), repeats=40) for _ in range(attempts))
+        return dict(job=job, gemm_us=gemm_ms * 1e3, layer_us=layer_ms * 1e3, backend=repr(backend))
+
+    for job in jobs:
+        print(json.dumps(time_job(job)), flush=True)
+        torch.cuda.empty_cache()  # the job's layer is gone: its weights go back to the card
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trees", nargs="+", required=True, help="name=path of each source tree")
+    parser.add_argument("--jobs", nargs="+", required=True, help="shape:format:M")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: time --jobs under this tree
+    args = parser.parse_args(argv)
+    for job in args.jobs:
+        parse_job(job)
+    if args.worker:
+        worker(args.worker, args.jobs)
+        return
+    trees = [parse_tree(tree) for tree in args.trees]
+    times = {(job, name): [] for job in args.jobs for name, _ in trees}
+    for _ in range(args.rounds):
+        for name, path in trees:
+            command = [sys.executable, os.path.abspath(__file__), "--worker", path, "--trees", f"{name}={path}",
+                       "--jobs", *args.jobs]
+            output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+            for line in output.splitlines():
+                if line.startswith("{"):
+                    row = json.loads(line)
+                    times[row["job"], name].append((row["gemm_us"], row["layer_us"]))
+    for (job, name), rounds in times.items():
+        gemms = " / ".join(f"{gemm:.2f}" for gemm, _ in rounds)
+        layers = " / ".join(f"{layer:.2f}" for _, layer in rounds)
+        print(f"{job:24s} {name:10s} GEMMs {gemms} us   layer {layers} us")
+
+
+if __name__ == "__main__":
+    main()
