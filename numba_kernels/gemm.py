@@ -51,13 +51,13 @@ The warps of a `warps_k` team add up through shared memory, each accumulator til
 the epilogue's sums and stores split warps_k ways instead of falling to the first warp
 alone (at decode they run back to back in a few warps, with nothing to overlap them). A
 tile is written as half outputs (one K split) or float32 partials (split_k, slots, N)
-that the next kernel sums in a fixed order (deterministic, no atomics). gemm1 on a tile of paired warps (every prefill tile; a
-decode tile with warps_n >= 2 and one K split) may instead finish the activation itself
-(`paired_activation`): its CTA's first warps_n / 2 warps take gate chunks and the others
-the up chunks of the same features, and the two warps of a pair, holding a feature's
-gate and up at the same fragment positions, swap half their tiles through shared memory
-(the idle stage buffers, or a decode tile's own); each writes act(gate) * up for its
-half. gemm1's output never goes to memory and the activation kernel (which reads it and
+that the next kernel sums in a fixed order (deterministic, no atomics). gemm1 on a tile
+of paired warps (every prefill tile; a decode tile with warps_n >= 2 and one K split)
+may instead finish the activation itself (`paired_activation`): its CTA's first
+warps_n / 2 warps take gate chunks and the others the up chunks of the same features,
+and the two warps of a pair, holding a feature's gate and up at the same fragment
+positions, swap half their tiles through shared memory (the idle stage buffers, or a
+decode tile's own); each writes act(gate) * up for its half. gemm1's output never goes to memory and the activation kernel (which reads it and
 writes half as much) is not launched.
 
 Memory traffic: each weight byte of the touched experts is read once per token block
