@@ -324,6 +324,10 @@ def _twin_f16_to_f32(h):
 
 
 _warp_lock = threading.Lock()
+# A lane that never reaches the group's barrier (a diverged mma) breaks it after this long
+# instead of hanging the simulator. Generous: on a loaded 2-core CI machine the simulator's
+# hundreds of Python threads once took over 120 s to bring a warp's lanes together.
+GROUP_BARRIER_SECONDS = 600
 
 
 def _group_state(size: int):
@@ -336,8 +340,8 @@ def _group_state(size: int):
     with _warp_lock:
         groups = manager.__dict__.setdefault(f"_numba_moe_groups_of_{size}", {})
         if group not in groups:
-            groups[group] = {"slots": [None] * size, "barrier": threading.Barrier(size, timeout=120), "result": None,
-                             "open": [], "committed": []}
+            groups[group] = {"slots": [None] * size, "barrier": threading.Barrier(size, timeout=GROUP_BARRIER_SECONDS),
+                             "result": None, "open": [], "committed": []}
     return index, groups[group]
 
 
