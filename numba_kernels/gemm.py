@@ -57,8 +57,8 @@ may instead finish the activation itself (`paired_activation`): its CTA's first
 warps_n / 2 warps take gate chunks and the others the up chunks of the same features,
 and the two warps of a pair, holding a feature's gate and up at the same fragment
 positions, swap half their tiles through shared memory (the idle stage buffers, or a
-decode tile's own); each writes act(gate) * up for its half. gemm1's output never goes to memory and the activation kernel (which reads it and
-writes half as much) is not launched.
+decode tile's own); each writes act(gate) * up for its half. gemm1's output never goes to
+memory and the activation kernel (which reads it and writes half as much) is not launched.
 
 Memory traffic: each weight byte of the touched experts is read once per token block
 (once in all at decode); activations are re-read once per 64-feature chunk, from L2.
