@@ -24,27 +24,12 @@ integer codes also defer the zero point and scale to once per scale group
 (`fragments.DeferredScales`): a slab's dequantisation is then a shift and a `lop3` per
 register, plus one mma that sums the activations.
 
-The operands come from one of two places, a tile option:
+The operands come from one of two places, a tile option, and each has its own main loop:
 
-* global memory (decode, `a_in_shared=False`): each lane loads its weight words and its
-  few A words straight from global memory (activations are L1/L2-resident); no barrier
-  in the main loop, so every warp streams its weights independently, a contiguous run of
-  its split's slabs (whole scale groups), checked against the run's end a batch at a time
-  where every run is whole batches (K, split and run multiples of `slabs_per_warp`), else
-  a slab at a time;
-* shared memory (prefill, `a_in_shared=True`): a `stages`-deep pipeline of `cp.async`
-  copies brings each stage of `warps_k * slabs_per_warp` slabs into shared memory -- the
-  block's activation rows (padded by 4 words so that `ldmatrix` rows hit 32 different
-  banks) and the CTA's weight words, scales and zero points as stored
-  (`fragments.staged_weights`) -- while the warps multiply an earlier stage: A fragments
-  by `ldmatrix`, B fragments decoded from shared words. Each warp's 16-row m tiles reuse
-  every decoded B fragment, so wide warps (64 rows) amortise the dequantisation (with
-  `trim_padding`, only the tiles up to the block's last slot: an expert's last block is
-  part padding). Two
-  slabs' operands live in registers: a slab's mma are issued while the next slab is
-  loaded and decoded, and a stage's barrier comes before its last slab's mma, so the
-  integer work of dequantisation fills the tensor pipe's gaps (on the H200 the two
-  Mixtral GEMMs at M = 4096 went from 9.8 to 8.6 ms with 64-feature stages).
+* global memory (decode, `a_in_shared=False`): `gemm_decode`, every warp streaming its
+  own run of slabs with no barrier;
+* shared memory (prefill, `a_in_shared=True`): `gemm_prefill`, a `cp.async` pipeline
+  feeding the tensor cores by `ldmatrix`.
 
 The warps of a `warps_k` team add up through shared memory, each accumulator tile summed
 (in warp order, whichever warp does it: the same bits) and written by one owner warp, so
@@ -53,12 +38,10 @@ alone (at decode they run back to back in a few warps, with nothing to overlap t
 tile is written as half outputs (one K split) or float32 partials (split_k, slots, N)
 that the next kernel sums in a fixed order (deterministic, no atomics). gemm1 on a tile
 of paired warps (every prefill tile; a decode tile with warps_n >= 2 and one K split)
-may instead finish the activation itself (`paired_activation`): its CTA's first
-warps_n / 2 warps take gate chunks and the others the up chunks of the same features,
-and the two warps of a pair, holding a feature's gate and up at the same fragment
-positions, swap half their tiles through shared memory (the idle stage buffers, or a
-decode tile's own); each writes act(gate) * up for its half. gemm1's output never goes to
-memory and the activation kernel (which reads it and writes half as much) is not launched.
+may instead finish the activation itself (`paired_activation`, `gemm_pairs`): gemm1's
+output never goes to memory and the activation kernel (which reads it and writes half as
+much) is not launched. Every count the kernel is generated from is defined once, in
+`gemm_plan.GemmPlan`.
 
 Memory traffic: each weight byte of the touched experts is read once per token block
 (once in all at decode); activations are re-read once per 64-feature chunk, from L2.
@@ -76,13 +59,14 @@ from numba import cuda, float32, int16, int32, int64, uint32
 from layouts import QuantSpec
 
 from . import interop, ptx
-from .launch import STATIC_SHARED_BYTES, launch_kernel
-from .elements import logical_k
-from .activation import Activation, _pointwise
+from .activation import Activation
 from .epilogue import FusedActivation, FusedCombine, check_fused, gate_up_halves, make_finisher
-from .fragments import (CHUNK_N, HALF_CONSTANTS, NO_COPY, SLAB_K, copy_offsets_fit, fragment_reader, staged_weights,
-                        staging_supported)
-from .rows import ZERO
+from .fragments import CHUNK_N, SLAB_K, copy_offsets_fit, staged_weights, staging_supported
+from .gemm_decode import decode_steps
+from .gemm_pairs import pair_roles
+from .gemm_plan import GemmPlan
+from .gemm_prefill import prefill_steps
+from .launch import STATIC_SHARED_BYTES, launch_kernel
 from .weights import KernelWeights
 
 
@@ -244,71 +228,32 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     one started (the layer's gemm2: aligned before gemm1). Launched early, a decode tile
     then reads it and issues its first weight loads before waiting for that kernel, so they
     overlap its tail; only the activations wait."""
-    reader = fragment_reader(spec, n, k, half)
-    group_of_slab, column_params, fetch, decode = reader.group_of_slab, reader.column_params, reader.fetch, reader.decode
-    output_scale, load_word = reader.output_scale, ptx.load_words[1]
-    mma, to_half, pack2 = ptx.mma(half), ptx.to_half(half), ptx.pack2(half)
+    plan = GemmPlan(spec, n, k, tile, half, pair_loads)
+    output_scale, raw_words = plan.reader.output_scale, plan.reader.raw_words
+    to_half, pack2 = ptx.to_half(half), ptx.pack2(half)
     pair_stores = stores_pairs(tile, n, partial_output)
-    copy_async, ldmatrix4 = ptx.copy_async, ptx.ldmatrix4
-    stored_k = logical_k(spec)
-    block_m, threads, a_in_shared, stages = tile.block_m, tile.threads, tile.a_in_shared, tile.stages
-    chunks_first = tile.chunks_first
+    block_m, threads, stages = tile.block_m, tile.threads, tile.stages
+    a_in_shared, swap_ab, chunks_first = tile.a_in_shared, tile.swap_ab, tile.chunks_first
+    steady_loop, trims = tile.steady_loop, tile.trim_padding
     early_weights = alignment_ready and not a_in_shared  # prefill's first copies include activations
     warps_n, warps_k, depth, stage_slabs = tile.warps_n, tile.warps_k, tile.slabs_per_warp, tile.stage_slabs
-    warp_rows = block_m // tile.warps_m
-    swap_ab = tile.swap_ab
-    m_tiles = 1 if swap_ab else warp_rows // 16  # 16-row A tiles of activations (8-slot B tile when swapped)
-    # Accumulator tiles (i, j): (m tile, n8 tile of features), or (16 features, the 8 slots) swapped.
-    acc_i, acc_j = (CHUNK_N // 16, 1) if swap_ab else (m_tiles, 8)
-    row_halves = 1 if swap_ab else 2  # activation rows a lane reads per m tile: g (and g + 8)
-    teams = warps_n * tile.warps_m  # warps that own distinct output tiles
-    total_slabs = -(-k // SLAB_K)
-    slabs_per_split = -(-total_slabs // tile.split_k)
-    if a_in_shared:  # splits start on stage boundaries
-        slabs_per_split = -(-slabs_per_split // stage_slabs) * stage_slabs
-    warp_run = -(-slabs_per_split // warps_k)  # decode: each warp takes a contiguous run of its split's slabs
-    # Where every run's length is a multiple of `depth` (the runs' ends, splits' ends and
-    # K's end all on batch boundaries), each batch is whole or past the run: the loop checks
-    # a batch at a time, and ptxas gets a batch's slabs as one block to interleave.
-    whole_batches = not (total_slabs % depth or slabs_per_split % depth or warp_run % depth)
-    # Decode with swapped operands applies zero points and scales once per group (DeferredScales).
-    defers = swap_ab and reader.deferred is not None
-    deferred = reader.deferred if defers else None
-    codes, group_scale, group_offset = (deferred.codes, deferred.scale, deferred.offset) if defers else (None,) * 3
-    one_pair = uint32(HALF_CONSTANTS[half].one)  # the A operand of the mma that sums activations
-    group_slabs = uint32((deferred.group_slabs or total_slabs + 1) if defers else 1)
-    # Whether a run may end inside a scale group, which then folds at the run's end too.
-    run_end_folds = bool(total_slabs % group_slabs or slabs_per_split % group_slabs or warp_run % group_slabs)
-    gacc_shape = (acc_i, acc_j, 4) if defers else (1, 1, 1)
-    size_n, size_k = n, k
+    warp_rows, m_tiles, row_halves, teams = plan.warp_rows, plan.m_tiles, plan.row_halves, plan.teams
+    acc_i, acc_j = plan.acc_shape
+    total_slabs, slabs_per_split, warp_run = plan.total_slabs, plan.slabs_per_split, plan.warp_run
+    gacc_shape = (acc_i, acc_j, 4) if plan.deferred is not None else (1, 1, 1)
+    size_n = n
     n_chunks = -(-n // CHUNK_N)
     whole_chunks = n % CHUNK_N == 0  # no column past N in a chunk of N: only warps past N skip their stores
-    raw_words = reader.raw_words
-    reduce_values = acc_i * acc_j * 4 * 32 if warps_k > 1 else 1  # accumulators of one warp
+    reduce_values = plan.reduce_values
     reduce_words = warps_k * teams * reduce_values
-    # Decode reads A pairs with one flat load each: padding rows read row 0 instead (their
-    # outputs are never stored, and an mma row depends on its own A row only).
-    flat_a = pair_loads and size_k % SLAB_K == 0
-    pairs_per_row = size_k // 2
-    # Prefill: a stage's activations are block_m rows of row_words words, copied in
-    # 16-byte units (4 per slab and row); its weights are `staged` words per buffer.
-    row_words = tile.row_words
-    a_units_per_row = stage_slabs * SLAB_K // 8
-    a_units = block_m * a_units_per_row
-    a_copies = -(-a_units // threads)
+    flat_a, pairs_per_row = plan.flat_a, plan.pairs_per_row
+    row_words, a_copies = tile.row_words, plan.a_copies
     a_stage_words = stages * block_m * row_words  # the activation stage buffers, all stages
-    staged = None
-    if a_in_shared:
-        if not pair_loads:
-            raise ValueError("a prefill tile (a_in_shared) reads activations as half pairs: K must be even and "
-                             "not sorted by act-order groups")
-        staged = staged_weights(spec, n, k, half, warps_n, stage_slabs, threads)
-    stage_words, w_copies = (staged.stage_words, staged.copies_per_thread) if staged else (1, 1)
-    plan_weights, copy_weights, copy_weights_partial, fetch_weights = (
-        (staged.plan, staged.copy, staged.copy_partial, staged.fetch) if staged else (None,) * 4)
-    # A tile of paired warps (`GemmTile.pairs_warps`) finishes gemm1's activation in its
-    # epilogue (`paired_activation`); other tiles finish either reduction from float32
-    # partials (`epilogue`).
+    if a_in_shared and not pair_loads:
+        raise ValueError("a prefill tile (a_in_shared) reads activations as half pairs: K must be even and "
+                         "not sorted by act-order groups")
+    staged = plan.staged
+    w_copies, plan_weights = (staged.copies_per_thread, staged.plan) if staged else (1, None)
     paired = fused is not None and tile.pairs_warps
     # Accumulator tile (i, j) is summed and stored by warp `owner(i, j)` of its team,
     # (i * acc_j + j) % spread; a tile of paired warps gathers every tile in the team's
@@ -325,7 +270,6 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     if static_bytes + buffer_bytes > STAGE_BUFFER_BYTES:
         raise ValueError(f"{tile} needs {buffer_bytes} bytes of shared memory for the stage buffers of {spec.name}, "
                          f"more than {STAGE_BUFFER_BYTES - static_bytes}: use fewer stages, slabs or rows")
-    wait_copies, wait_first_stage = ptx.wait_copies[max(stages - 2, 0)], ptx.wait_copies[stages - 1]
     if paired and not (fused[0] == "activation" and paired_activation(tile, fused[1], n)):
         raise ValueError(f"then: a tile of paired warps (a prefill tile, or a decode tile with split_k = 1 and "
                          f"warps_n >= 2) finishes only a gated [gate | up] activation, with split_k = 1, "
@@ -339,326 +283,16 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         raise ValueError("a fused reduction reads float32 partials: build with partial_output=True")
     finishes = fused is not None and not paired
     finish = make_finisher(fused, n, block_m, tile.block_n, tile.split_k, threads, half) if finishes else None
-    apply = _pointwise(fused[1]) if paired else None
-    half_to_f32 = ptx.half_to_f32(half)
     half_n = max(warps_n // 2, 1)  # paired: gate warps, then as many up warps
     up_chunks = n // 2 // CHUNK_N  # paired: the first up chunk
 
-    @ptx.device
-    def activation_pair(act, k_order, expert, row, kp):
-        """Half pair act[row, k(kp)], act[row, k(kp + 1)] (zero past K or for padding rows)."""
-        pair = uint32(0)
-        if row >= 0 and kp < size_k:
-            if pair_loads:
-                pair = uint32(act[0, row, kp // 2])
-            else:
-                pair = uint32(act[0, row, stored_k(k_order, expert, kp)]) & uint32(0xFFFF)
-                if kp + 1 < size_k:
-                    pair |= uint32(act[0, row, stored_k(k_order, expert, kp + 1)]) << uint32(16)
-        return pair
-
-    def multiplier(tiles: int):
-        """multiply(frags, a_words, acc): acc += A @ B for one slab's fragments, over the
-        first `tiles` m tiles (unswapped)."""
-
-        @ptx.device
-        def multiply(frags, a_words, acc):
-            if swap_ab:  # A = 16 features: the B fragments of two n8 tiles, interleaved (fragments docstring)
-                for j in range(acc_i):
-                    acc[j, 0, 0], acc[j, 0, 1], acc[j, 0, 2], acc[j, 0, 3] = mma(
-                        frags[4 * j], frags[4 * j + 2], frags[4 * j + 1], frags[4 * j + 3], a_words[0, 0],
-                        a_words[0, 1], acc[j, 0, 0], acc[j, 0, 1], acc[j, 0, 2], acc[j, 0, 3])
-            else:
-                for mt in range(tiles):
-                    for nt in range(8):
-                        acc[mt, nt, 0], acc[mt, nt, 1], acc[mt, nt, 2], acc[mt, nt, 3] = mma(
-                            a_words[mt, 0], a_words[mt, 1], a_words[mt, 2], a_words[mt, 3], frags[2 * nt],
-                            frags[2 * nt + 1], acc[mt, nt, 0], acc[mt, nt, 1], acc[mt, nt, 2], acc[mt, nt, 3])
-
-        return multiply
-
-    multiply = multiplier(m_tiles)
-
-    @ptx.device
-    def multiply_slab(weights, expert, slab, chunk, lane, raw_slab, params, frags, group, a_words, acc):
-        """acc += A(slab) @ B(slab); returns the scale group now in `params`."""
-        slab_group = group_of_slab(weights, expert, slab)
-        if slab_group != group:
-            column_params(weights, expert, slab_group, chunk, lane, params)
-        decode(raw_slab, params, weights, expert, slab, chunk, lane, frags)
-        multiply(frags, a_words, acc)
-        return slab_group
-
-    # -- decode: A words fetched with the weights, straight from global memory -------------------
-
-    def range_check(check: str | None):
-        """in_range(first_slab, slab, end_slab): whether `slab` of the batch at first_slab
-        is short of end_slab, as far as `check` (batch_steps) needs to know."""
-        per_slab, per_batch = check == "slab", check == "batch"
-
-        @ptx.device
-        def in_range(first_slab, slab, end_slab):
-            if per_slab:
-                return slab < end_slab
-            if per_batch:
-                return first_slab < end_slab
-            return True
-
-        return in_range
-
-    @ptx.device
-    def a_word(act, weights, expert, row, slab, t, r):
-        """The lane's activation pair of `row` at k = 16 slab + 2t + 8r. With flat loads
-        `row` is already the pair offset of (row, 2t): one add per slab, the rest immediate."""
-        if flat_a:
-            return load_word(act, row + slab * (SLAB_K // 2) + 4 * r)
-        return activation_pair(act, weights[4], expert, row, slab * SLAB_K + 2 * t + 8 * r)
-
-    def batch_fetcher(check: str | None, weight_words: bool = True, a_words: bool = True):
-        """fetch_batch(act, weights, expert, first_slab, end_slab, chunk, lane, rows, raw,
-        a_raw): issue the loads of `depth` slabs (first_slab + d), their weight words and/or
-        A words; `check`: see batch_steps."""
-        in_range = range_check(check)
-
-        @ptx.device
-        def fetch_batch(act, weights, expert, first_slab, end_slab, chunk, lane, rows, raw, a_raw):
-            t = lane % 4
-            for d in range(depth):
-                slab = first_slab + d
-                if in_range(first_slab, slab, end_slab):
-                    if weight_words:
-                        fetch(weights, expert, slab, chunk, lane, raw[d])
-                    if a_words:
-                        for mt in range(m_tiles):  # word w: row w % row_halves at k + 8 (w // row_halves)
-                            for w in range(2 * row_halves):  # A: a0..a3; swapped B: b0, b1 of slot g
-                                a_raw[d, mt, w] = a_word(act, weights, expert, rows[mt, w % row_halves], slab, t,
-                                                         w // row_halves)
-
-        return fetch_batch
-
-    def batch_steps(check: str | None):
-        """fetch_batch and two_batches for `depth` slabs per batch; `check`: "slab" skips
-        the slabs at or past end_slab (a run's last batches), "batch" the batches at or past
-        it (`whole_batches`: one compare and branch a batch), None none (every slab in
-        range and short of the run's last: `GemmTile.steady_loop`)."""
-        fetch_batch, in_range = batch_fetcher(check), range_check(check)
-        folds_at_end = run_end_folds and check is not None
-
-        @ptx.device
-        def multiply_batch(weights, expert, first_slab, end_slab, chunk, lane, raw, a_raw, params, frags, group, acc,
-                           gacc, a_sum):
-            for d in range(depth):
-                slab = first_slab + d
-                if in_range(first_slab, slab, end_slab):
-                    if defers:
-                        multiply_codes(raw[d], a_raw[d], frags, gacc, a_sum)
-                        if (uint32(slab) + uint32(1)) % group_slabs == 0 or (
-                                folds_at_end and slab + 1 == end_slab):
-                            fold_group(raw[d], acc, gacc, a_sum)  # the group's last slab in this run
-                    else:
-                        group = multiply_slab(weights, expert, slab, chunk, lane, raw[d], params, frags, group,
-                                              a_raw[d], acc)
-            return group
-
-        @ptx.device
-        def two_batches(act, weights, expert, slab_a, end_slab, chunk, lane, rows, raw_a, a_raw_a, raw_b, a_raw_b,
-                        params, frags, group, acc, gacc, a_sum):
-            """Multiply the loaded batch at slab_a while the next one loads, then that one
-            while the batch after it loads (into a's registers); returns its slab and the group."""
-            slab_b = slab_a + depth
-            fetch_batch(act, weights, expert, slab_b, end_slab, chunk, lane, rows, raw_b, a_raw_b)
-            group = multiply_batch(weights, expert, slab_a, end_slab, chunk, lane, raw_a, a_raw_a, params, frags,
-                                   group, acc, gacc, a_sum)
-            slab_a = slab_b + depth
-            fetch_batch(act, weights, expert, slab_a, end_slab, chunk, lane, rows, raw_a, a_raw_a)
-            group = multiply_batch(weights, expert, slab_b, end_slab, chunk, lane, raw_b, a_raw_b, params, frags,
-                                   group, acc, gacc, a_sum)
-            return slab_a, group
-
-        return fetch_batch, two_batches
-
-    edge = "batch" if whole_batches else "slab"
-    (fetch_batch, two_batches), (_, two_whole_batches) = batch_steps(edge), batch_steps(None)
-    fetch_weight_words, fetch_a_words = batch_fetcher(edge, a_words=False), batch_fetcher(edge, weight_words=False)
-    steady_loop = tile.steady_loop
-
-    @ptx.device
-    def multiply_codes(raw, a_words, frags, gacc, a_sum):
-        """gacc += (M + q) @ B for one slab, and a_sum += the slab's activations summed
-        over k (an mma whose A is all ones: every row the same sums)."""
-        codes(raw, frags)
-        multiply(frags, a_words, gacc)
-        a_sum[0], a_sum[1], a_sum[2], a_sum[3] = mma(one_pair, one_pair, one_pair, one_pair, a_words[0, 0],
-                                                     a_words[0, 1], a_sum[0], a_sum[1], a_sum[2], a_sum[3])
-
-    @ptx.device
-    def fold_group(raw, acc, gacc, a_sum):
-        """acc += s (gacc - (M + z) a_sum) for the group whose scale words `raw` holds
-        (accumulator (j, 0, 2 h + r): feature 16 j + 8 h + g, the lane's column 2 j + h,
-        slot 2 t + r); then start the next group from zero."""
-        for j in range(acc_i):
-            for h in range(2):
-                scale, offset = group_scale(raw, 2 * j + h), group_offset(raw, 2 * j + h)
-                for r in range(2):
-                    acc[j, 0, 2 * h + r] += scale * (gacc[j, 0, 2 * h + r] - offset * a_sum[r])
-                    gacc[j, 0, 2 * h + r] = float32(0.0)
-        for c in range(4):
-            a_sum[c] = float32(0.0)
-
-    # -- prefill: both operands staged through shared memory by a cp.async pipeline --------------
-
-    @ptx.device
-    def plan_activation_copies(slots, num_slots, rows_div, thread, a_source, a_target, a_slab):
-        """Once per CTA: where this thread's 16-byte activation copies come from (flat pair
-        offset at stage 0, NO_COPY for none), go to (word in a stage buffer) and which slab of
-        the stage they belong to; the same for every stage, shifted by the stage's K."""
-        for i in range(a_copies):
-            unit = uint32(thread) + uint32(i * threads)
-            a_source[i], a_target[i], a_slab[i] = NO_COPY, 0, 0
-            if unit < uint32(a_units):
-                m, c = unit // uint32(a_units_per_row), unit % uint32(a_units_per_row)
-                slot = slots[m]
-                row = slot // rows_div if slot < num_slots else 0  # padding rows read row 0
-                a_source[i] = uint32(row) * uint32(pairs_per_row) + 4 * c
-                a_target[i] = m * uint32(row_words) + 4 * c
-                a_slab[i] = c // uint32(2)
-
-    def activation_copier(checked: bool):
-        """This thread's copies of the block's activations for a stage at word `base`;
-        `checked`: zero-fill the slabs at or past `remaining`."""
-
-        @ptx.device
-        def copy_activations(act, stage, remaining, a_source, a_target, a_slab, a_tiles, base):
-            advance = stage * uint32(SLAB_K // 2)  # the stage's first pair along K
-            for i in range(a_copies):
-                if i < a_units // threads or a_source[i] != NO_COPY:
-                    if checked:
-                        present = a_slab[i] < remaining
-                        copy_async(a_tiles, base + a_target[i], act, advance if present else uint32(0),
-                                   a_source[i] if present else uint32(0), 16 if present else 0)
-                    else:
-                        copy_async(a_tiles, base + a_target[i], act, advance, a_source[i], 16)
-
-        return copy_activations
-
-    copy_activations, copy_activations_partial = activation_copier(False), activation_copier(True)
-
-    @ptx.device
-    def issue_stage(act, weights, stage, end_slab, a_source, a_target, a_slab, w_source, a_tiles, w_tiles, buffer,
-                    thread):
-        """Start the copies of `stage` into `buffer`: one commit group, empty past the end."""
-        if stage < end_slab:
-            remaining = uint32(end_slab - stage)
-            a_base, w_base = uint32(buffer) * uint32(block_m * row_words), uint32(buffer) * uint32(stage_words)
-            if remaining >= uint32(stage_slabs):
-                copy_activations(act, stage, remaining, a_source, a_target, a_slab, a_tiles, a_base)
-                copy_weights(weights, w_source, stage, w_tiles, w_base, thread)
-            else:
-                copy_activations_partial(act, stage, remaining, a_source, a_target, a_slab, a_tiles, a_base)
-                copy_weights_partial(weights, w_source, stage, remaining, w_tiles, w_base, thread)
-        ptx.commit_copies()
-
-    def then(first, second):
-        @ptx.device
-        def both(*args):
-            first(*args)
-            second(*args)
-
-        return both
-
-    def prefill_loop(tiles: int):
-        """run(weights, expert, start_slab, end_slab, ...): the prefill main loop over the
-        first `tiles` m tiles of each warp, from the first staged slab to the last."""
-        multiply_tiles = multiplier(tiles)
-
-        @ptx.device
-        def load_slab(weights, expert, slab, local_slab, read_chunk, chunk, lane, a_lane, a_tiles, w_tiles, buffer,
-                      raw, params, frags, a_words):
-            """This warp's operands of one staged slab into registers: A by ldmatrix, B
-            decoded from the shared words of its chunk `read_chunk` (`a_lane`: the word of
-            this lane's ldmatrix row in a stage buffer)."""
-            fetch_weights(w_tiles, buffer, local_slab, read_chunk, lane, raw)
-            first = buffer * (block_m * row_words) + a_lane + local_slab * (SLAB_K // 2)
-            for mt in range(tiles):
-                a_words[mt, 0], a_words[mt, 1], a_words[mt, 2], a_words[mt, 3] = ldmatrix4(
-                    a_tiles, first + mt * (16 * row_words))
-            decode(raw, params, weights, expert, slab, chunk, lane, frags)
-
-        def slab_step(d: int):
-            """Step d of a stage's slabs: load slab d + 1 into the free register slot (for
-            the last step: wait for the next stage, then load its first slab), multiply
-            slab d. Built per d in Python and chained (`then`: same arguments), so no loop
-            is left for the compiler to decide whether to unroll: it kept a 4-slab loop
-            rolled for NVFP4, with the slots in local memory."""
-            slot, free, last = d % 2, (d + 1) % 2, d + 1 == depth
-
-            @ptx.device
-            def step(weights, expert, stage, own, read_chunk, chunk, lane, a_lane, a_tiles, w_tiles, buffer, after,
-                     raw, params, frag_slots, a_slots, acc):
-                if last:
-                    wait_copies()  # the next stage has landed (every older group)...
-                    cuda.syncthreads()  # ...for every thread, and no warp reads `buffer` any more
-                    # The next stage's first slab (past the end: unused words of a spare buffer).
-                    load_slab(weights, expert, stage + stage_slabs + own, own, read_chunk, chunk, lane, a_lane,
-                              a_tiles, w_tiles, after, raw, params, frag_slots[free], a_slots[free])
-                else:
-                    load_slab(weights, expert, stage + own + d + 1, own + d + 1, read_chunk, chunk, lane, a_lane,
-                              a_tiles, w_tiles, buffer, raw, params, frag_slots[free], a_slots[free])
-                multiply_tiles(frag_slots[slot], a_slots[slot], acc)
-
-            return step
-
-        multiply_stage = functools.reduce(then, [slab_step(d) for d in range(depth)])
-
-        @ptx.device
-        def run(act, weights, expert, start_slab, end_slab, own, read_chunk, chunk, lane, a_lane, a_tiles, w_tiles,
-                raw, params, frag_slots, a_slots, acc, a_source, a_target, a_slab, w_source, tid):
-            load_slab(weights, expert, start_slab + own, own, read_chunk, chunk, lane, a_lane, a_tiles, w_tiles, 0,
-                      raw, params, frag_slots[0], a_slots[0])
-            stage, buffer = start_slab, uint32(0)  # 32-bit counters (the caller's uint32 bounds)
-            while stage < end_slab:
-                after = uint32(buffer + 1) if buffer < uint32(stages - 1) else uint32(0)
-                multiply_stage(weights, expert, stage, own, read_chunk, chunk, lane, a_lane, a_tiles, w_tiles,
-                               buffer, after, raw, params, frag_slots, a_slots, acc)
-                issue_stage(act, weights, uint32(stage + stages * stage_slabs), end_slab, a_source, a_target, a_slab,
-                            w_source, a_tiles, w_tiles, buffer, tid)
-                if depth % 2:  # the next stage's first slab went to slot 1
-                    for i in range(16):
-                        frag_slots[0, i] = frag_slots[1, i]
-                    for mt in range(tiles):
-                        for w in range(4):
-                            a_slots[0, mt, w] = a_slots[1, mt, w]
-                stage = uint32(stage + stage_slabs)
-                buffer = after
-
-        return run
-
-    def loop_choice(tiles: int, fewer):
-        """run_prefill(used, ...): the loop over `tiles` m tiles if `used` is that many,
-        else `fewer` (the choice for fewer tiles; None: this loop whatever `used` is)."""
-        loop = prefill_loop(tiles)
-        if fewer is None:
-            @ptx.device
-            def only(used, *args):
-                loop(*args)
-
-            return only
-
-        @ptx.device
-        def choose(used, *args):
-            if used == tiles:
-                loop(*args)
-            else:
-                fewer(used, *args)
-
-        return choose
-
-    # trim_padding: a block whose last m tiles hold padding only runs a copy of the loop
-    # without them, one copy per count of tiles in use: no branch inside a loop (a branch
-    # per m tile in the loop made every prefill GEMM slower, BENCHMARKS.md).
-    trims = tile.trim_padding
-    run_prefill = functools.reduce(lambda fewer, tiles: loop_choice(tiles, fewer),
-                                   range(1 if trims else m_tiles, m_tiles + 1), None)
+    # The main loop (one of two) and the paired epilogue, built only where the tile uses them.
+    fetch_batch, two_batches, two_whole_batches, fetch_weight_words, fetch_a_words = (
+        (None,) * 5 if a_in_shared else decode_steps(plan))
+    plan_activation_copies, issue_stage, wait_first_stage, run_prefill = (
+        prefill_steps(plan) if a_in_shared else (None,) * 4)
+    (hand_over_gate, finish_gate), (hand_over_up, finish_up) = (
+        pair_roles(plan, fused[1]) if paired else ((None, None), (None, None)))
 
     @ptx.device
     def slots_ready(held):
@@ -675,84 +309,6 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
             if cuda.syncthreads_or(held & (1 << mt)):
                 used = mt + 1
         return used
-
-    # -- paired activation (gemm1): the warps of a pair swap half their tiles ---------------------
-
-    def swapped_pair_half(is_up: bool):
-        """pair_half for swapped tiles, whose accumulator (j, 0, 2h + r) holds feature
-        16 j + 8 h + g of slot 2t + r: the gate warp finishes j = 0, 1, the up warp 2, 3;
-        an exchange word holds a feature's two slots."""
-        keep, give = (2, 0) if is_up else (0, 2)
-
-        @ptx.device
-        def hand_over(acc, exchange, team, multiplier, lane):
-            for q in range(2):
-                for h in range(2):
-                    exchange[((team * 2 + q) * 2 + h) * 32 + lane] = pack2(acc[give + q, 0, 2 * h] * multiplier,
-                                                                           acc[give + q, 0, 2 * h + 1] * multiplier)
-
-        @ptx.device
-        def finish(acc, exchange, out, slots, num_slots, partner, gate_chunk, multiplier, first_row, lane):
-            g, t = lane // 4, lane % 4
-            first_slot, second_slot = slots[2 * t], slots[2 * t + 1]
-            for q in range(2):
-                for h in range(2):
-                    own = pack2(acc[keep + q, 0, 2 * h] * multiplier, acc[keep + q, 0, 2 * h + 1] * multiplier)
-                    other = exchange[((partner * 2 + q) * 2 + h) * 32 + lane]
-                    gate, up = (other, own) if is_up else (own, other)
-                    col = uint32(gate_chunk * CHUNK_N + 16 * (keep + q) + 8 * h) + uint32(g)
-                    for r in range(2):  # the word's low half is slot 2t, its high half slot 2t + 1
-                        slot = first_slot if r == 0 else second_slot
-                        if slot < num_slots:
-                            shift = uint32(16 * r)
-                            value = apply(ZERO + half_to_f32(gate >> shift), ZERO + half_to_f32(up >> shift))
-                            out[uint32(slot), col] = int16(to_half(value))
-
-        return hand_over, finish
-
-    def pair_half(is_up: bool):
-        """hand_over and finish for the gate (False) or the up (True) warp of a pair: the
-        gate warp finishes n8 tiles 0-3, the up warp 4-7. Built per role and per (m tile,
-        row half) in Python and chained (`then`), so every accumulator index is a constant:
-        a loop the compiler kept rolled put `acc` in local memory, main loop included."""
-        keep, give = (4, 0) if is_up else (0, 4)
-
-        def hand_over_step(mt: int):
-            @ptx.device
-            def hand_over(acc, a_tiles, team, multiplier, lane):
-                """Write the half of this warp's tile that its partner finishes, rounded
-                to halves as gemm1's output would be."""
-                for q in range(4):
-                    for r in range(2):
-                        a_tiles[((team * m_tiles + mt) * 8 + 2 * q + r) * 32 + lane] = pack2(acc[mt, give + q, 2 * r] * multiplier,
-                                                      acc[mt, give + q, 2 * r + 1] * multiplier)
-
-            return hand_over
-
-        def finish_step(mt: int, r: int):
-            @ptx.device
-            def finish(acc, a_tiles, out, slots, num_slots, partner, gate_chunk, multiplier, first_row, lane):
-                """out[slot, c] = act(gate, up) for this warp's half of one row, its partner's
-                operands read from the exchange; computed as the activation kernel computes
-                it from gemm1's half outputs (0 + x in float32, `apply`, rounded once)."""
-                slot = slots[first_row + 16 * mt + lane // 4 + 8 * r]
-                if slot < num_slots:
-                    for q in range(4):
-                        own = pack2(acc[mt, keep + q, 2 * r] * multiplier, acc[mt, keep + q, 2 * r + 1] * multiplier)
-                        other = a_tiles[((partner * m_tiles + mt) * 8 + 2 * q + r) * 32 + lane]
-                        gate, up = (other, own) if is_up else (own, other)
-                        first = apply(ZERO + half_to_f32(gate), ZERO + half_to_f32(up))
-                        second = apply(ZERO + half_to_f32(gate >> uint32(16)), ZERO + half_to_f32(up >> uint32(16)))
-                        out[uint32(slot), uint32(gate_chunk * (CHUNK_N // 2) + lane % 4) + uint32(4 * (keep + q))] = int32(
-                            pack2(first, second))  # columns gate_chunk * 64 + 8 (keep + q) + 2t, + 1
-
-            return finish
-
-        return (functools.reduce(then, [hand_over_step(mt) for mt in range(m_tiles)]),
-                functools.reduce(then, [finish_step(mt, r) for mt in range(m_tiles) for r in range(2)]))
-
-    pair_roles = swapped_pair_half if swap_ab else pair_half
-    (hand_over_gate, finish_gate), (hand_over_up, finish_up) = pair_roles(False), pair_roles(True)
 
     @ptx.device
     def owner(i, j):

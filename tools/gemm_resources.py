@@ -1,16 +1,22 @@
 """Registers, spills and wide loads of the grouped GEMM for the oracle's tiles, compiled
 for sm_90a without a GPU (see `tools/ptx_check.py` for what it needs).
 
-    python -m tools.gemm_resources
+    python -m tools.gemm_resources            # resources
+    python -m tools.gemm_resources --digest   # a digest of each kernel's code
 
 Prints one line per (layout, tile): registers per thread, stack / spill bytes, local
 loads, mma and 16-byte global loads in the PTX. Run it after changing a kernel's main
-loop, before spending device time: a spill or a lost vector load shows here.
+loop, before spending device time: a spill or a lost vector load shows here. With
+`--digest`, a hash of each kernel's PTX with the names that vary between processes
+normalised: a change meant to move code around without changing it (a refactor of
+`gemm` and its loops) must leave every digest as it was.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
+import sys
 
 import attrs
 import numpy as np
@@ -32,8 +38,11 @@ PAIRED_64 = attrs.evolve(PREFILL_TILE, fused_reduction=True)
 # 8 warps along K (tuned Mixtral entries): the reduction's loops must unroll, or the
 # accumulators go to local memory (the fortieth session's flaw, seen here as ld.local).
 WIDE_K = GemmTile(block_m=16, warps_k=8, slabs_per_warp=2, steady_loop=True)
-CASES = [(formats.native(4, 128), tile) for tile in (DECODE, SWAPPED, WIDE_K, PREFILL_64, PAIRED_64, PREFILL_128)] + [
-    (formats.native(fp4=True), tile) for tile in (DECODE, SWAPPED, PREFILL_64, PAIRED_64)]
+STEADY_SWAPPED = attrs.evolve(SWAPPED, steady_loop=True, fused_reduction=False)
+PAIRED_DECODE = attrs.evolve(SWAPPED_DECODE_TILE, warps_n=2, warps_k=2, split_k=1, fused_reduction=True)
+CASES = [(formats.native(4, 128), tile) for tile in (DECODE, SWAPPED, STEADY_SWAPPED, WIDE_K, PAIRED_DECODE, PREFILL_64,
+                                                      PAIRED_64, PREFILL_128)] + [
+    (formats.native(fp4=True), tile) for tile in (DECODE, SWAPPED, PAIRED_DECODE, PREFILL_64, PAIRED_64)]
 
 
 def _kernel_arrays(spec: QuantSpec, shape: tuple[int, int, int]) -> tuple:
@@ -52,11 +61,11 @@ def _kernel_arrays(spec: QuantSpec, shape: tuple[int, int, int]) -> tuple:
             np.zeros((1, 1), np.int32), np.zeros((1, 1), np.int32), global_scale)
 
 
-def resources(spec: QuantSpec, tile: GemmTile, n: int = 256, k: int = 512) -> str:
-    """One line of figures for the GEMM as the layer's gemm2 runs it: decode tiles with the
-    fused combine (top_k = 2), prefill tiles multiplying routed weights; prefill tiles with
+def compile_gemm(spec: QuantSpec, tile: GemmTile, n: int = 256, k: int = 512):
+    """The GEMM as the layer's gemm2 runs it: decode tiles with the fused combine
+    (top_k = 2), prefill tiles multiplying routed weights; tiles of paired warps with
     `fused_reduction` as gemm1 finishing silu in the epilogue."""
-    paired = tile.fused_reduction and tile.a_in_shared
+    paired = tile.fused_reduction and tile.pairs_warps
     partial = writes_partials(tile)
     fused = activation_kind(Activation("silu")) if paired else combine_kind(2) if tile.fused_reduction else None
     kernel = make_grouped_gemm(spec, n, k, tile, "bfloat16", partial, fused is None, True, fused)
@@ -65,10 +74,19 @@ def resources(spec: QuantSpec, tile: GemmTile, n: int = 256, k: int = 512) -> st
         out = np.zeros((tile.split_k, 8, n), np.float32)
     else:
         out = np.zeros((8, n // 2), np.int32) if stores_pairs(tile, n, partial) else np.zeros((8, n), np.int16)
+    if paired:  # the activation's output: pairs from unswapped tiles, halves from swapped ones
+        reduced = np.zeros((8, n // 2), np.int16) if tile.swap_ab else np.zeros((8, n // 4), np.int32)
+    else:  # the combine's output
+        reduced = np.zeros((4, n), np.int16)
     compiled = compile_kernel(kernel, np.zeros((1, 4, k // 2), np.int32), _kernel_arrays(spec, (2, n, k)), ids, ids,
-                              ids[:1], np.zeros(8, np.float32), out,
-                              np.zeros((8, n // 4), np.int32) if paired else np.zeros((4, n), np.int16),
-                              np.zeros(64, np.int32), np.int32(8), np.int32(2))
+                              ids[:1], np.zeros(8, np.float32), out, reduced, np.zeros(64, np.int32), np.int32(8),
+                              np.int32(2))
+    return compiled
+
+
+def resources(spec: QuantSpec, tile: GemmTile) -> str:
+    """One line of figures for the GEMM of `compile_gemm`."""
+    compiled = compile_gemm(spec, tile)
     registers = re.findall(r"Used (\d+) registers", compiled.report)
     stack = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", compiled.report)
     ptx = compiled.ptx
@@ -77,6 +95,21 @@ def resources(spec: QuantSpec, tile: GemmTile, n: int = 256, k: int = 512) -> st
             f"ldmatrix {ptx.count('ldmatrix')}, ld.shared.v4 {ptx.count('ld.shared.v4')}")
 
 
+def digest(spec: QuantSpec, tile: GemmTile) -> str:
+    """A hash of the PTX of `compile_gemm`, with mangled names, the numbering of shared
+    arrays (by first use) and of constant arrays (by content) normalised."""
+    ptx = re.sub(r"_Z[0-9A-Za-z_$]+", "NAME", compile_gemm(spec, tile).ptx)
+    names = {name: "CONST" + hashlib.sha256(body.encode()).hexdigest()[:8]
+             for name, body in re.findall(r"(_cudapy_cmem(?:\$\d+)?)(\[\d+\] = \{[^}]*\})", ptx)}
+    ptx = re.sub(r"_cudapy_smem_\d+|_cudapy_cmem(?:\$\d+)?",
+                 lambda m: names.setdefault(m.group(0), f"SHARED{len(names)}"), ptx)
+    lines = [line for line in ptx.splitlines() if not line.startswith("//")]
+    constants = sorted(line for line in lines if line.startswith(".const"))
+    code = "\n".join(constants + [line for line in lines if not line.startswith(".const")])
+    return hashlib.sha256(code.encode()).hexdigest()[:16]
+
+
 if __name__ == "__main__":
+    report = digest if "--digest" in sys.argv[1:] else resources
     for spec, tile in CASES:
-        print(resources(spec, tile), flush=True)
+        print(f"{spec.name:12s} {tile}: {report(spec, tile)}" if report is digest else report(spec, tile), flush=True)
