@@ -429,7 +429,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                 group = int32(-1)
                 raw_a = cuda.local.array((depth, raw_words), uint32)
                 raw_b = cuda.local.array((depth, raw_words), uint32)
-                rows = cuda.local.array((m_tiles, 2), int64)  # see a_word
+                rows = cuda.local.array((m_tiles, 2), int64)  # see gemm_decode's a_word
                 for mt in range(m_tiles):
                     for half_rows in range(row_halves):
                         slot = slots[first_row + 16 * mt + g + 8 * half_rows]
