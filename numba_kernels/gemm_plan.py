@@ -132,9 +132,14 @@ class GemmPlan:
         return self.tile.stage_slabs * SLAB_K // 8
 
     @property
+    def a_units(self) -> int:
+        """Prefill: 16-byte copies of the block's activation rows per stage."""
+        return self.tile.block_m * self.a_units_per_row
+
+    @property
     def a_copies(self) -> int:
         """Prefill: activation copies per thread per stage."""
-        return -(-self.tile.block_m * self.a_units_per_row // self.tile.threads)
+        return -(-self.a_units // self.tile.threads)
 
     @property
     def staged(self) -> StagedWeights | None:

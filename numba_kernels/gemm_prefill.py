@@ -52,8 +52,7 @@ def prefill_steps(plan: GemmPlan) -> PrefillSteps:
     block_m, threads, stages = tile.block_m, tile.threads, tile.stages
     depth, stage_slabs = tile.slabs_per_warp, tile.stage_slabs
     m_tiles, row_words, pairs_per_row = plan.m_tiles, tile.row_words, plan.pairs_per_row
-    a_units_per_row, a_copies = plan.a_units_per_row, plan.a_copies
-    a_units = block_m * a_units_per_row
+    a_units_per_row, a_units, a_copies = plan.a_units_per_row, plan.a_units, plan.a_copies
     stage_words = staged.stage_words
     copy_weights, copy_weights_partial, fetch_weights = staged.copy, staged.copy_partial, staged.fetch
     wait_copies = ptx.wait_copies[max(stages - 2, 0)]
