@@ -15,13 +15,13 @@ from .config import MoEConfig, QuantScheme
 from .hooks import GemmStep, MoEHooks
 from .layer import MoELayer
 from .lora import LoRAAdapter, LoRAHooks
-from .oracle import Backend, build_backend, select_backend
+from .oracle import Backend, select_backend
 from .runner import Inputs, check_inputs, forward, fused_moe, prepare, run
 from .weights import ExpertWeights, process_weights_after_loading
 from .workspace import Workspace, WorkspaceTooSmall
 
 __all__ = [
     "Backend", "BatchedWorkspace", "ExpertWeights", "GemmStep", "Inputs", "LoRAAdapter", "LoRAHooks", "MoEConfig",
-    "MoEHooks", "MoELayer", "QuantScheme", "Workspace", "WorkspaceTooSmall", "batched_moe", "build_backend",
-    "check_inputs", "forward", "fused_moe", "prepare", "process_weights_after_loading", "run", "select_backend",
+    "MoEHooks", "MoELayer", "QuantScheme", "Workspace", "WorkspaceTooSmall", "batched_moe", "check_inputs",
+    "forward", "fused_moe", "prepare", "process_weights_after_loading", "run", "select_backend",
 ]

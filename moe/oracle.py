@@ -1,5 +1,6 @@
 """Backend selection as an oracle: one function picks the kernel variant and tiles for a
-call shape, another builds the kernels. Nothing else in the runner makes these choices.
+call shape (the GEMM wrappers compile what it names, once per configuration). Nothing else
+in the runner makes these choices.
 
 `select_backend(config, num_tokens, spec)` looks the shape up in the tuned configurations
 of this device (`moe/tuned/<device>.json`, written by `python -m moe.tune`) and falls
@@ -55,9 +56,9 @@ import torch
 
 from layouts import QuantSpec
 from numba_kernels import interop
-from numba_kernels.fragments import SLAB_K, fast_path_supported
+from numba_kernels.fragments import SLAB_K
 from numba_kernels.epilogue import activation_fusable, activation_kind, combine_kind
-from numba_kernels.gemm import GemmTile, make_grouped_gemm, pair_loads, paired_activation, prefill_supported
+from numba_kernels.gemm import GemmTile, paired_activation, prefill_supported
 from numba_kernels.route_align import max_lanes
 
 from .config import MoEConfig
@@ -262,29 +263,3 @@ def token_buckets(max_tokens: int) -> list[int]:
         buckets.append(m)
         m *= 2
     return buckets + [max_tokens]
-
-
-@attrs.frozen
-class BuiltBackend:
-    """Compiled kernels for one backend and weight layout."""
-
-    backend: Backend
-    gemm1: object
-    gemm2: object
-    fast_path: bool
-
-
-def build_backend(config: MoEConfig, backend: Backend, spec1: QuantSpec, spec2: QuantSpec) -> BuiltBackend:
-    """Compile (once, cached) the two GEMMs `backend` names, for gemm1 weights in `spec1`
-    and gemm2 weights in `spec2`, as the layer runs them (gemm2's alignment is ready
-    before gemm1 starts)."""
-    h, i, n1 = config.hidden_size, config.intermediate_size, config.gate_up_size
-    half = config.dtype
-
-    def build(spec, n, k, tile, fused, alignment_ready):
-        return make_grouped_gemm(spec, n, k, tile, half, writes_partials(tile), False, pair_loads(k, spec), fused,
-                                 alignment_ready)
-
-    gemm1 = build(spec1, n1, h, backend.gemm1, fused_activation_kind(config, backend.gemm1), False)
-    gemm2 = build(spec2, h, i, backend.gemm2, fused_combine_kind(config, backend.gemm2), True)
-    return BuiltBackend(backend, gemm1, gemm2, fast_path_supported(spec1, half) and fast_path_supported(spec2, half))

@@ -192,7 +192,6 @@ class FragmentReader:
     decode: object
     output_scale: object
     raw_words: int
-    fast: bool
     deferred: "DeferredScales | None" = None
 
 
@@ -518,7 +517,7 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
                                   spec.group_size // SLAB_K if spec.group_size else None)
 
     return FragmentReader(_group_of_slab(spec) if not scale_words else _no_groups(), column_params, fetch, decode,
-                          output_scale, words_per_lane + scale_words + zero_words, True, deferred)
+                          output_scale, words_per_lane + scale_words + zero_words, deferred)
 
 
 @attrs.frozen
@@ -739,4 +738,4 @@ def _index_map_reader(spec: QuantSpec, n: int, k: int, half: str) -> FragmentRea
                 kp = slab * SLAB_K + 2 * t + 8 * r
                 frags[2 * column + r] = pack2(value(weights, e, n_, kp), value(weights, e, n_, kp + 1))
 
-    return FragmentReader(_no_groups(), column_params, fetch, decode, output_scale, 1, False)
+    return FragmentReader(_no_groups(), column_params, fetch, decode, output_scale, 1)

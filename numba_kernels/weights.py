@@ -24,8 +24,6 @@ from layouts import QuantSpec
 
 from . import interop
 
-SLOTS = ("weight", "scales", "zeros", "g_idx", "k_order", "global_scale")
-
 _STORAGE_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.uint8): torch.uint8,
                    np.dtype(np.float16): torch.float16, np.dtype(np.uint16): torch.bfloat16,
                    np.dtype(np.float32): torch.float32}

@@ -14,7 +14,7 @@ from moe.tune import ProgressBar, candidate_tiles, paired_decode, refine_candida
 from moe.weights import kernel_spec
 from numba_kernels.gemm import GemmTile
 
-CONFIG = MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=64,
+CONFIG = MoEConfig(num_experts=2, top_k=2, hidden_size=32, intermediate_size=64,
                    quant=QuantScheme("native", bits=4, group_size=32))
 SLOW = GemmTile(block_m=16, warps_k=1, slabs_per_warp=1)
 FAST = GemmTile(block_m=16, warps_k=2, slabs_per_warp=1, fused_reduction=True)

@@ -12,10 +12,11 @@ It reaches into numba-cuda in one place: compilation asks the current device for
 compute capability, so a stand-in context answers (9, 0), to `numba_kernels.ptx.hopper`
 too. A dev tool, not a dependency.
 
-    from tools.ptx_check import compile_kernel
+    from tools.ptx_check import compile_kernel, sass
     result = compile_kernel(my_kernel, *example_args)      # numpy example arguments
     print(result.report)                                   # ptxas -v
     assert "ld.local" not in result.ptx
+    print(sass(result.ptx))                                # the machine code (wide loads?)
 """
 
 from __future__ import annotations
