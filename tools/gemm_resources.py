@@ -78,10 +78,9 @@ def compile_gemm(spec: QuantSpec, tile: GemmTile, n: int = 256, k: int = 512):
         reduced = np.zeros((8, n // 2), np.int16) if tile.swap_ab else np.zeros((8, n // 4), np.int32)
     else:  # the combine's output
         reduced = np.zeros((4, n), np.int16)
-    compiled = compile_kernel(kernel, np.zeros((1, 4, k // 2), np.int32), _kernel_arrays(spec, (2, n, k)), ids, ids,
-                              ids[:1], np.zeros(8, np.float32), out, reduced, np.zeros(64, np.int32), np.int32(8),
-                              np.int32(2))
-    return compiled
+    return compile_kernel(kernel, np.zeros((1, 4, k // 2), np.int32), _kernel_arrays(spec, (2, n, k)), ids, ids,
+                          ids[:1], np.zeros(8, np.float32), out, reduced, np.zeros(64, np.int32), np.int32(8),
+                          np.int32(2))
 
 
 def resources(spec: QuantSpec, tile: GemmTile) -> str:
@@ -90,7 +89,7 @@ def resources(spec: QuantSpec, tile: GemmTile) -> str:
     registers = re.findall(r"Used (\d+) registers", compiled.report)
     stack = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores", compiled.report)
     ptx = compiled.ptx
-    return (f"{spec.name:12s} {tile}: registers {registers}, stack/spill {stack}, ld.local {ptx.count('ld.local')}, "
+    return (f"registers {registers}, stack/spill {stack}, ld.local {ptx.count('ld.local')}, "
             f"mma {ptx.count('mma.sync')}, 16-byte loads {ptx.count('ld.global.nc.v4')}, cp.async {ptx.count('cp.async.cg')}, "
             f"ldmatrix {ptx.count('ldmatrix')}, ld.shared.v4 {ptx.count('ld.shared.v4')}")
 
@@ -112,4 +111,4 @@ def digest(spec: QuantSpec, tile: GemmTile) -> str:
 if __name__ == "__main__":
     report = digest if "--digest" in sys.argv[1:] else resources
     for spec, tile in CASES:
-        print(f"{spec.name:12s} {tile}: {report(spec, tile)}" if report is digest else report(spec, tile), flush=True)
+        print(f"{spec.name:12s} {tile}: {report(spec, tile)}", flush=True)
