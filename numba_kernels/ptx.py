@@ -104,6 +104,7 @@ a Numba ``intrinsic``, like numba-cuda's own cache-hint loads); everything else 
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 
 import numpy as np
@@ -125,10 +126,27 @@ def kernel(fn=None, **options):
 
 
 def device(fn):
-    """`cuda.jit(device=True)`, always inlined into its caller."""
+    """`cuda.jit(device=True)`, always inlined into its caller.
+
+    Under the simulator a device function that never names `cuda` stays a plain Python
+    function: the simulator's wrapper swaps its module's ``cuda`` for the fake one on every
+    call, under a global and a per-module lock, and with a block's threads calling such
+    functions per element the unfair locks convoyed (one test went from 20 s to 20 min)."""
     if SIMULATED:
-        return cuda.jit(device=True)(fn)
+        return cuda.jit(device=True)(fn) if _names_cuda(fn) else fn
     return cuda.jit(device=True, forceinline=True)(fn)
+
+
+def _names_cuda(fn) -> bool:
+    """Whether `fn`'s code, or code nested in it, reads a global bound to the `cuda` module
+    (what the simulator's swap replaces)."""
+    codes = [fn.__code__]
+    while codes:
+        code = codes.pop()
+        if any(fn.__globals__.get(name) is cuda for name in code.co_names):
+            return True
+        codes.extend(const for const in code.co_consts if inspect.iscode(const))
+    return False
 
 
 def _check_half(half: str) -> None:

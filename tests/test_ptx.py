@@ -280,6 +280,39 @@ def test_grid_dependency_controls_leave_a_kernel_s_results_alone():
     assert np.array_equal(out.copy_to_host(), words + 1)
 
 
+@ptx.device
+def _scaled(x, k):
+    return x * k
+
+
+@ptx.device
+def _scaled_by_lane(x):
+    return _scaled(x, cuda.threadIdx.x)
+
+
+def test_device_functions_with_and_without_cuda_run_in_a_kernel():
+    """Under the simulator a device function that never names `cuda` is the plain Python
+    function (no per-call module swap, see `ptx.device`); one that names it, directly or
+    in nested code, is wrapped and sees the simulated thread."""
+    @ptx.kernel
+    def scale(out):
+        i = cuda.threadIdx.x
+        out[i] = _scaled_by_lane(_scaled(i, 3))
+
+    out = cuda.to_device(np.zeros(8, np.int32))
+    scale[1, 8](out)
+    assert np.array_equal(out.copy_to_host(), 3 * np.arange(8) ** 2)
+    if ptx.SIMULATED:
+        def plus_one(x):
+            return x + 1
+
+        def nested_lane(x):
+            return (lambda: x + cuda.threadIdx.x)()
+
+        assert ptx.device(plus_one) is plus_one
+        assert ptx.device(nested_lane) is not nested_lane
+
+
 def test_arrive_counts_every_block_once_and_the_last_reads_every_block_s_stores():
     """The arrival pattern of `epilogue`: each block's threads store, the block arrives
     once (`arrive` returns the count before it), and the block that arrives last sums the
