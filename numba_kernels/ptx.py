@@ -355,12 +355,16 @@ def _group_state(size: int):
     thread = threading.current_thread()
     manager = thread._manager  # the simulator's BlockManager of this block
     group, index = divmod(thread.thread_id, size)
-    with _warp_lock:
-        groups = manager.__dict__.setdefault(f"_numba_moe_groups_of_{size}", {})
-        if group not in groups:
-            groups[group] = {"slots": [None] * size, "barrier": threading.Barrier(size, timeout=GROUP_BARRIER_SECONDS),
-                             "result": None, "open": [], "committed": []}
-    return index, groups[group]
+    key = f"_numba_moe_groups_of_{size}"
+    state = manager.__dict__.get(key, {}).get(group)
+    if state is None:  # the lock only to create: taken per call, its unfairness convoys
+        with _warp_lock:
+            groups = manager.__dict__.setdefault(key, {})
+            if group not in groups:
+                groups[group] = {"slots": [None] * size, "result": None, "open": [], "committed": [],
+                                 "barrier": threading.Barrier(size, timeout=GROUP_BARRIER_SECONDS)}
+            state = groups[group]
+    return index, state
 
 
 def _warp_state():
