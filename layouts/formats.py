@@ -218,7 +218,8 @@ def trtllm_fp4_moe(*, gated: bool = True, epilogue_tile_m: int = 128, swap_w1_w3
     def steps(per_element):
         pads = [SwapHalves(axis=-2) if swap_w1_w3 else None, pad(hidden_axis, hidden_alignment, per_element)]
         if intermediate_alignment > 1:
-            pads.append(PadHalves(intermediate_alignment, axis=-2) if gated else pad(-1, intermediate_alignment, per_element))
+            pads.append(PadHalves(intermediate_alignment, axis=intermediate_axis) if gated
+                        else pad(intermediate_axis, intermediate_alignment, per_element))
         if gated:
             pads.append(InterleaveHalves(axis=-2))
         return tuple(p for p in pads if p is not None) + (Permute(trtllm_shuffle_perm(epilogue_tile_m), axis=-2),)
