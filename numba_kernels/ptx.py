@@ -62,8 +62,9 @@ exactly the mma's a0..a3.
 
 Every helper has a pure-Python *twin* with the same semantics, chosen automatically under
 the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``), so every kernel runs unchanged in CI.
-The twin of the warp-collective ``mma`` gathers the 32 lanes' fragments through a
-per-warp barrier, so it checks the fragment layout exactly as the hardware defines it:
+The twin of the warp-collective ``mma`` gathers the 32 lanes' fragments (the last lane to
+arrive multiplies for the warp, `_Group`), so it checks the fragment layout exactly as the
+hardware defines it:
 
     lane = 4 * g + t  (g = lane // 4, t = lane % 4), each register a pair of halves
     A (16x16, row-major):  a0 = A[g, 2t:2t+2]   a1 = A[g+8, 2t:2t+2]
@@ -107,6 +108,7 @@ import functools
 import inspect
 import threading
 
+import attrs
 import numpy as np
 from numba import config, cuda, float32, int32, int64, types, uint32
 
@@ -341,35 +343,73 @@ def _twin_f16_to_f32(h):
     return np.float32(np.uint16(int(h) & 0xFFFF).view(np.float16))
 
 
-_warp_lock = threading.Lock()
-# A lane that never reaches the group's barrier (a diverged mma) breaks it after this long
-# instead of hanging the simulator. Generous: on a loaded 2-core CI machine the simulator's
-# hundreds of Python threads once took over 120 s to bring a warp's lanes together.
-GROUP_BARRIER_SECONDS = 600
+class _Group:
+    """The threads of one warp or warpgroup of a simulated block, meeting in collective
+    instructions. Each member hands `meet` its operands; the last to arrive computes the
+    instruction from all of them, and every member gets that result back. One wait a member
+    per instruction: the simulator runs each thread as a Python thread, and every extra
+    barrier phase is another round of wake-ups for all of them."""
+
+    # A member that never arrives (a diverged mma) fails the others after this long instead
+    # of hanging the simulator. Generous: on a loaded 2-core CI machine the simulator's
+    # hundreds of Python threads once took over 120 s to bring a warp's lanes together.
+    TIMEOUT_SECONDS = 600
+
+    def __init__(self, size: int):
+        self.size = size
+        self.operands = [None] * size
+        self.arrived = 0
+        self.generation = 0
+        self.result = None
+        self.done = threading.Condition()
+        self.open, self.committed = [], []  # a warpgroup's mma reads, not yet waited for
+
+    def meet(self, member: int, operands, compute):
+        """compute(operands of every member, in member order), computed once."""
+        with self.done:
+            self.operands[member] = operands
+            self.arrived += 1
+            generation = self.generation
+            if self.arrived == self.size:
+                try:
+                    self.result = compute(self.operands)
+                except Exception as error:  # every member raises it, none waits for ever
+                    self.result = _Failed(error)
+                self.arrived, self.generation = 0, generation + 1
+                self.done.notify_all()
+            elif not self.done.wait_for(lambda: self.generation != generation, self.TIMEOUT_SECONDS):
+                raise RuntimeError(f"{self.size - self.arrived} of {self.size} threads never reached a collective "
+                                   f"instruction (mma, ldmatrix, wgmma) that every one of them must execute")
+            if isinstance(self.result, _Failed):
+                raise self.result.error
+            return self.result  # the next instruction cannot complete before this member arrives
 
 
-def _group_state(size: int):
-    """(index in its group, the group's state) of the calling simulated thread, for groups
-    of `size` consecutive threads (a warp, a warpgroup); state is per block: the lanes'
-    slots, a barrier, a result, and a warpgroup's open and committed mma."""
+@attrs.frozen
+class _Failed:
+    error: Exception
+
+
+_groups_lock = threading.Lock()
+
+
+def _group(size: int) -> tuple[int, _Group]:
+    """(index in its group, the group) of the calling simulated thread, for groups of `size`
+    consecutive threads of its block (a warp, a warpgroup)."""
     thread = threading.current_thread()
     manager = thread._manager  # the simulator's BlockManager of this block
-    group, index = divmod(thread.thread_id, size)
+    number, index = divmod(thread.thread_id, size)
     key = f"_numba_moe_groups_of_{size}"
-    state = manager.__dict__.get(key, {}).get(group)
-    if state is None:  # the lock only to create: taken per call, its unfairness convoys
-        with _warp_lock:
-            groups = manager.__dict__.setdefault(key, {})
-            if group not in groups:
-                groups[group] = {"slots": [None] * size, "result": None, "open": [], "committed": [],
-                                 "barrier": threading.Barrier(size, timeout=GROUP_BARRIER_SECONDS)}
-            state = groups[group]
-    return index, state
+    group = manager.__dict__.get(key, {}).get(number)
+    if group is None:  # the lock only to create: taken per call, its unfairness convoys
+        with _groups_lock:
+            group = manager.__dict__.setdefault(key, {}).setdefault(number, _Group(size))
+    return index, group
 
 
-def _warp_state():
-    """(lane, per-warp state) of the calling simulated thread."""
-    return _group_state(32)
+def _warp():
+    """(lane, warp) of the calling simulated thread."""
+    return _group(32)
 
 
 _LANE_G, _LANE_T = np.arange(32) // 4, np.arange(32) % 4
@@ -400,33 +440,30 @@ def _twin_mma(half: str):
     """m16n8k16 as the hardware defines its fragments (module docstring); every lane of
     the warp must call it, as with the real instruction."""
 
+    def multiply(lanes):
+        halves = _halves_to_f64(np.array([s[:6] for s in lanes], dtype=np.uint64), half)  # (32, 6, 2)
+        b = np.zeros((16, 8))
+        for col in (0, 1):
+            b[2 * _LANE_T + col, _LANE_G] = halves[:, 4, col]
+            b[2 * _LANE_T + 8 + col, _LANE_G] = halves[:, 5, col]
+        c = _c_tile(np.array([s[6:] for s in lanes], dtype=np.float64))
+        return (_a_tile(halves) @ b + c).astype(np.float32)
+
     def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        lane, state = _warp_state()
-        state["slots"][lane] = (a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)
-        state["barrier"].wait()
-        if lane == 0:
-            regs = np.array([s[:6] for s in state["slots"]], dtype=np.uint64)
-            halves = _halves_to_f64(regs, half)  # (32, 6, 2)
-            b = np.zeros((16, 8))
-            for col in (0, 1):
-                b[2 * _LANE_T + col, _LANE_G] = halves[:, 4, col]
-                b[2 * _LANE_T + 8 + col, _LANE_G] = halves[:, 5, col]
-            c = _c_tile(np.array([s[6:] for s in state["slots"]], dtype=np.float64))
-            state["result"] = (_a_tile(halves) @ b + c).astype(np.float32)
-        state["barrier"].wait()
-        d = state["result"]
+        lane, warp = _warp()
+        d = warp.meet(lane, (a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), multiply)
         g, t = divmod(lane, 4)
         return d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1]
 
     return mma
 
 
-def _warpgroup_state():
-    """(thread in warpgroup, per-warpgroup state) of the calling simulated thread."""
+def _warpgroup():
+    """(thread in warpgroup, warpgroup) of the calling simulated thread."""
     block_dim = threading.current_thread()._manager._block_dim
     if int(np.prod(block_dim)) % 128:
         raise ValueError(f"warpgroup_mma needs blocks of whole warpgroups (128 threads), got {block_dim}")
-    return _group_state(128)
+    return _group(128)
 
 
 def _core_matrix_words(offset: int, lbo: int, sbo: int, n: int) -> np.ndarray:
@@ -437,14 +474,14 @@ def _core_matrix_words(offset: int, lbo: int, sbo: int, n: int) -> np.ndarray:
     return byte // 4, (byte // 2) % 2
 
 
-def _read_core_matrices(flat, offset, lbo, sbo, n: int, half: str, state) -> np.ndarray:
+def _read_core_matrices(flat, offset, lbo, sbo, n: int, half: str, group: _Group) -> np.ndarray:
     """The (16, n) values a descriptor names, remembered with the words read (for the
     wait's check that they are not overwritten while the mma may still read them)."""
     if (4 * int(offset)) % 16 or int(lbo) % 16 or int(sbo) % 16:
         raise ValueError("warpgroup_mma: a shared tile's address, lbo and sbo must be multiples of 16 bytes")
     words, which = _core_matrix_words(int(offset), int(lbo), int(sbo), n)
     read = np.array(flat[words], np.uint32)
-    state["open"].append((flat, words, read))
+    group.open.append((flat, words, read))
     return _halves_to_f64(read, half)[np.arange(16)[:, None], np.arange(n)[None, :], which]
 
 
@@ -455,32 +492,30 @@ def _twin_warpgroup(half: str, n: int, a_in_shared: bool):
     regs = n // 2
 
     def multiply(a_words, shared, a_tile, b_tile, acc, first):
-        index, state = _warpgroup_state()
+        index, group = _warpgroup()
         flat_acc = acc.reshape(-1)
-        state["slots"][index] = (a_words, tuple(flat_acc[first:first + regs]))
-        state["barrier"].wait()
-        if index == 0:
+
+        def compute(threads):
             a, d = np.zeros((64, 16)), np.zeros((64, n))
             flat = shared.reshape(-1)
             if a_in_shared:
-                a = _read_core_matrices(flat, *a_tile, 64, half, state).T
+                a = _read_core_matrices(flat, *a_tile, 64, half, group).T
             for warp in range(4):
-                lanes = state["slots"][32 * warp: 32 * warp + 32]
+                lanes = threads[32 * warp: 32 * warp + 32]
                 accs = np.array([s[1] for s in lanes], dtype=np.float64).reshape(32, regs // 4, 4)
                 if not a_in_shared:  # each warp a 16-row m16n8k16 A tile...
                     halves = _halves_to_f64(np.array([s[0] for s in lanes], dtype=np.uint64), half)  # (32, 4, 2)
                     a[16 * warp:16 * warp + 16] = _a_tile(halves)
                 for j in range(n // 8):  # ...and a C tile per n8 column tile
                     d[16 * warp:16 * warp + 16, 8 * j:8 * j + 8] = _c_tile(accs[:, j])
-            b = _read_core_matrices(flat, *b_tile, n, half, state)
-            state["result"] = (a @ b + d).astype(np.float32)
-        state["barrier"].wait()
-        d = state["result"]
+            b = _read_core_matrices(flat, *b_tile, n, half, group)
+            return (a @ b + d).astype(np.float32)
+
+        d = group.meet(index, (a_words, tuple(flat_acc[first:first + regs])), compute)
         warp, lane = divmod(index, 32)
         rows = 16 * warp + lane // 4
         cols = 2 * (lane % 4) + 8 * np.arange(n // 8)
         out = np.stack([d[rows, cols], d[rows, cols + 1], d[rows + 8, cols], d[rows + 8, cols + 1]], axis=1)
-        state["barrier"].wait()
         flat_acc[first:first + regs] = out.reshape(-1)
 
     if a_in_shared:
@@ -496,29 +531,29 @@ def _twin_warpgroup(half: str, n: int, a_in_shared: bool):
 
 
 def _twin_warpgroup_commit():
-    index, state = _warpgroup_state()
-    state["barrier"].wait()
-    if index == 0:
-        state["committed"].append(state["open"])
-        state["open"] = []
-    state["barrier"].wait()
+    index, group = _warpgroup()
+
+    def commit(_):
+        group.committed.append(group.open)
+        group.open = []
+
+    group.meet(index, None, commit)
 
 
 def _twin_warpgroup_wait(newest: int):
     def warpgroup_wait():
-        index, state = _warpgroup_state()
-        state["barrier"].wait()
-        if index == 0:
+        index, group = _warpgroup()
+
+        def check(_):
             overwritten = False
-            while len(state["committed"]) > newest:
-                for flat, words, read in state["committed"].pop(0):
+            while len(group.committed) > newest:
+                for flat, words, read in group.committed.pop(0):
                     overwritten |= not np.array_equal(flat[words], read)
-            state["overwritten"] = overwritten
-        state["barrier"].wait()
-        if state["overwritten"]:
-            raise RuntimeError("warpgroup_mma: a shared tile it read was overwritten before the warpgroup_wait that "
-                               "covers it")
-        state["barrier"].wait()
+            if overwritten:
+                raise RuntimeError("warpgroup_mma: a shared tile it read was overwritten before the warpgroup_wait "
+                                   "that covers it")
+
+        group.meet(index, None, check)
 
     return warpgroup_wait
 
@@ -592,14 +627,10 @@ def _twin_async_copies():
 
 
 def _twin_ldmatrix4(shared, offset):
-    lane, state = _warp_state()
-    state["slots"][lane] = int(offset)
-    state["barrier"].wait()
+    lane, warp = _warp()
+    rows = warp.meet(lane, int(offset), tuple)  # every lane's row address
     flat = shared.reshape(-1)
-    rows = [state["slots"][8 * j + lane // 4] for j in range(4)]
-    words = tuple(np.uint32(flat[row + lane % 4]) for row in rows)
-    state["barrier"].wait()
-    return words
+    return tuple(np.uint32(flat[rows[8 * j + lane // 4] + lane % 4]) for j in range(4))
 
 
 def _twin_f32_bits(x):

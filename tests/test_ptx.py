@@ -58,6 +58,22 @@ def test_mma_is_a_times_b_plus_c_with_the_documented_fragments(half):
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not ptx.SIMULATED, reason="the twin's check (on the GPU a diverged mma is undefined)")
+def test_mma_twin_fails_the_lanes_of_a_diverged_mma_instead_of_hanging(monkeypatch):
+    monkeypatch.setattr(ptx._Group, "TIMEOUT_SECONDS", 0.5)
+    mma = ptx.mma("bfloat16")
+
+    @ptx.kernel
+    def half_warp_mma(d):
+        lane = cuda.threadIdx.x
+        if lane < 16:
+            d[lane] = mma(uint32(0), uint32(0), uint32(0), uint32(0), uint32(0), uint32(0),
+                          float32(1), float32(1), float32(1), float32(1))[0]
+
+    with pytest.raises(RuntimeError, match="16 of 32 threads never reached a collective instruction"):
+        half_warp_mma[1, 32](np.zeros(32, np.float32))
+
+
 @pytest.mark.parametrize("half", HALVES)
 @settings(max_examples=5)
 @given(seed=st.integers(0, 2**31 - 1))
