@@ -108,7 +108,6 @@ import functools
 import inspect
 import threading
 
-import attrs
 import numpy as np
 from numba import config, cuda, float32, int32, int64, types, uint32
 
@@ -360,7 +359,7 @@ class _Group:
         self.operands = [None] * size
         self.arrived = 0
         self.generation = 0
-        self.result = None
+        self.result = self.error = None
         self.done = threading.Condition()
         self.open, self.committed = [], []  # a warpgroup's mma reads, not yet waited for
 
@@ -372,22 +371,17 @@ class _Group:
             generation = self.generation
             if self.arrived == self.size:
                 try:
-                    self.result = compute(self.operands)
+                    self.result, self.error = compute(self.operands), None
                 except Exception as error:  # every member raises it, none waits for ever
-                    self.result = _Failed(error)
+                    self.result, self.error = None, error
                 self.arrived, self.generation = 0, generation + 1
                 self.done.notify_all()
             elif not self.done.wait_for(lambda: self.generation != generation, self.TIMEOUT_SECONDS):
                 raise RuntimeError(f"{self.size - self.arrived} of {self.size} threads never reached a collective "
                                    f"instruction (mma, ldmatrix, wgmma) that every one of them must execute")
-            if isinstance(self.result, _Failed):
-                raise self.result.error
+            if self.error is not None:
+                raise self.error
             return self.result  # the next instruction cannot complete before this member arrives
-
-
-@attrs.frozen
-class _Failed:
-    error: Exception
 
 
 _groups_lock = threading.Lock()
@@ -628,9 +622,12 @@ def _twin_async_copies():
 
 def _twin_ldmatrix4(shared, offset):
     lane, warp = _warp()
-    rows = warp.meet(lane, int(offset), tuple)  # every lane's row address
     flat = shared.reshape(-1)
-    return tuple(np.uint32(flat[rows[8 * j + lane // 4] + lane % 4]) for j in range(4))
+
+    def load(rows):  # every lane's words read at once, as the instruction reads them
+        return [tuple(np.uint32(flat[rows[8 * j + r // 4] + r % 4]) for j in range(4)) for r in range(32)]
+
+    return warp.meet(lane, int(offset), load)[lane]
 
 
 def _twin_f32_bits(x):
