@@ -73,6 +73,7 @@ from layouts.transforms import Pad
 from . import ptx
 from .elements import element_reader, global_scale_reader, scale_reader, zero_reader
 from .ptx import device
+from .twins import round_to_half_bits
 
 CHUNK_N = 64  # output features per warp chunk
 SLAB_K = 16  # stored input features per slab
@@ -354,7 +355,7 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
     groups, scale_row = (lane.groups, lane.row_elements) if lane else (1, 0)
     zero_row, zero_shifts = (lane.zero_row_words, lane.zero_shifts) if lane else (0, ())
     magic_bits = uint32(constants.int4_magic & 0xFFFF)
-    fixed_bits = int(ptx.round_to_half_bits(np.float64(-(constants.int4_magic_value + (spec.code.bias or 0))), half))
+    fixed_bits = int(round_to_half_bits(np.float64(-(constants.int4_magic_value + (spec.code.bias or 0))), half))
     fixed_offset_pair = uint32(fixed_bits | fixed_bits << 16)
     # ue5m3 scale bytes, as half pairs in two instructions (`fp4_scales`).
     ue5m3_shift, ue5m3_top = constants.ue5m3_shift, uint32(constants.ue5m3_top * 0x01010101)

@@ -60,11 +60,11 @@ of lane ``l`` receives word ``l % 4`` of row ``l // 4`` of matrix ``j`` -- for a
 whose lanes 0-15 name rows 0-15 at column word c and lanes 16-31 the same rows at c + 4,
 exactly the mma's a0..a3.
 
-Every helper has a pure-Python *twin* with the same semantics, chosen automatically under
-the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``), so every kernel runs unchanged in CI.
-The twin of the warp-collective ``mma`` gathers the 32 lanes' fragments (the last lane to
-arrive multiplies for the warp, `_Group`), so it checks the fragment layout exactly as the
-hardware defines it:
+Every helper has a pure-Python *twin* with the same semantics (`twins`), chosen
+automatically under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``), so every kernel runs
+unchanged in CI. The twin of the warp-collective ``mma`` gathers the 32 lanes' fragments
+(the last lane to arrive multiplies for the warp, `twins.Group`), so it checks the
+fragment layout exactly as the hardware defines it:
 
     lane = 4 * g + t  (g = lane // 4, t = lane % 4), each register a pair of halves
     A (16x16, row-major):  a0 = A[g, 2t:2t+2]   a1 = A[g+8, 2t:2t+2]
@@ -106,10 +106,10 @@ from __future__ import annotations
 
 import functools
 import inspect
-import threading
 
-import numpy as np
 from numba import config, cuda, float32, int32, int64, types, uint32
+
+from . import twins
 
 SIMULATED = bool(config.ENABLE_CUDASIM)
 
@@ -254,391 +254,6 @@ def _declared():
 
 
 # ---------------------------------------------------------------------------------------
-# Python twins (simulator): the same numbers through numpy.
-# ---------------------------------------------------------------------------------------
-
-def _halves_to_f64(words, half: str) -> np.ndarray:
-    """(..., 2) float64 values of the low and high halves of uint32 words."""
-    words = np.asarray(words, np.uint64).astype(np.uint32)
-    pairs = np.stack([words & 0xFFFF, words >> 16], axis=-1).astype(np.uint16)
-    with np.errstate(invalid="ignore"):  # any bits, NaNs too (padding rows hold whatever was there)
-        if half == "bfloat16":
-            return (pairs.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-        return pairs.view(np.float16).astype(np.float64)
-
-
-def round_to_half_bits(values, half: str) -> np.ndarray:
-    """float64 -> half bit patterns (uint16), one round-to-nearest-even step (normal range)."""
-    values = np.asarray(values, np.float64)
-    if half == "float16":
-        return values.astype(np.float16).view(np.uint16)
-    mantissa, exponent = np.frexp(values)  # values = mantissa * 2**exponent, 0.5 <= |mantissa| < 1
-    rounded = np.ldexp(np.round(mantissa * 256.0), exponent - 8)  # 8 significant bits, ties to even
-    with np.errstate(over="ignore"):  # past bfloat16's range: infinity, as the hardware rounds
-        bits = rounded.astype(np.float32).view(np.uint32) >> 16
-    return np.where(np.isnan(values), 0x7FC0, bits).astype(np.uint16)
-
-
-def _pair(lo_bits, hi_bits) -> np.uint32:
-    return np.uint32((int(hi_bits) << 16) | int(lo_bits))
-
-
-def _twin_fma2(half: str):
-    def fma2(a, b, c):
-        x, y, z = (_halves_to_f64(v, half) for v in (a, b, c))
-        lo, hi = round_to_half_bits(x * y + z, half)
-        return _pair(lo, hi)
-
-    return fma2
-
-
-def _twin_fma2_splat(which: int):
-    def factory(half: str):
-        fma2 = _twin_fma2(half)
-
-        def fma2_splat(a, b, c):
-            picked = (int(b) >> (16 * which)) & 0xFFFF
-            return fma2(a, np.uint32(picked | picked << 16), c)
-
-        return fma2_splat
-
-    return factory
-
-
-def _twin_pack2(half: str):
-    def pack2(lo, hi):
-        lo_bits, hi_bits = round_to_half_bits(np.float64(np.float32(lo)), half), round_to_half_bits(
-            np.float64(np.float32(hi)), half)
-        return _pair(lo_bits, hi_bits)
-
-    return pack2
-
-
-def _twin_to_half(half: str):
-    def to_half(x):
-        return np.uint32(round_to_half_bits(np.float64(np.float32(x)), half))
-
-    return to_half
-
-
-def _twin_and_or(a, mask, bits):
-    return np.uint32((int(a) & int(mask) | int(bits)) & 0xFFFFFFFF)
-
-
-def _twin_byte_perm(a, b, selector):
-    """prmt.b32's default mode: result byte i is byte (selector nibble i) & 7 of b:a,
-    replicated sign bit where the nibble's bit 3 is set."""
-    source, result = (int(b) & 0xFFFFFFFF) << 32 | int(a) & 0xFFFFFFFF, 0
-    for i in range(4):
-        nibble = (int(selector) >> 4 * i) & 0xF
-        byte = (source >> 8 * (nibble & 7)) & 0xFF
-        if nibble & 8:
-            byte = 0xFF if byte & 0x80 else 0
-        result |= byte << 8 * i
-    return np.uint32(result)
-
-
-def _twin_f16_to_f32(h):
-    return np.float32(np.uint16(int(h) & 0xFFFF).view(np.float16))
-
-
-class _Group:
-    """The threads of one warp or warpgroup of a simulated block, meeting in collective
-    instructions. Each member hands `meet` its operands; the last to arrive computes the
-    instruction from all of them, and every member gets that result back. One wait a member
-    per instruction: the simulator runs each thread as a Python thread, and every extra
-    barrier phase is another round of wake-ups for all of them."""
-
-    # A member that never arrives (a diverged mma) fails the others after this long instead
-    # of hanging the simulator. Generous: on a loaded 2-core CI machine the simulator's
-    # hundreds of Python threads once took over 120 s to bring a warp's lanes together.
-    TIMEOUT_SECONDS = 600
-
-    def __init__(self, size: int):
-        self.size = size
-        self.operands = [None] * size
-        self.arrived = 0
-        self.generation = 0
-        self.result = self.error = None
-        self.done = threading.Condition()
-        self.open, self.committed = [], []  # a warpgroup's mma reads, not yet waited for
-
-    def meet(self, member: int, operands, compute):
-        """compute(operands of every member, in member order), computed once."""
-        with self.done:
-            self.operands[member] = operands
-            self.arrived += 1
-            generation = self.generation
-            if self.arrived == self.size:
-                try:
-                    self.result, self.error = compute(self.operands), None
-                except Exception as error:  # every member raises it, none waits for ever
-                    self.result, self.error = None, error
-                self.arrived, self.generation = 0, generation + 1
-                self.done.notify_all()
-            elif not self.done.wait_for(lambda: self.generation != generation, self.TIMEOUT_SECONDS):
-                raise RuntimeError(f"{self.size - self.arrived} of {self.size} threads never reached a collective "
-                                   f"instruction (mma, ldmatrix, wgmma) that every one of them must execute")
-            if self.error is not None:
-                raise self.error
-            return self.result  # the next instruction cannot complete before this member arrives
-
-
-_groups_lock = threading.Lock()
-
-
-def _group(size: int) -> tuple[int, _Group]:
-    """(index in its group, the group) of the calling simulated thread, for groups of `size`
-    consecutive threads of its block (a warp, a warpgroup)."""
-    thread = threading.current_thread()
-    manager = thread._manager  # the simulator's BlockManager of this block
-    number, index = divmod(thread.thread_id, size)
-    key = f"_numba_moe_groups_of_{size}"
-    group = manager.__dict__.get(key, {}).get(number)
-    if group is None:  # the lock only to create: taken per call, its unfairness convoys
-        with _groups_lock:
-            group = manager.__dict__.setdefault(key, {}).setdefault(number, _Group(size))
-    return index, group
-
-
-def _warp():
-    """(lane, warp) of the calling simulated thread."""
-    return _group(32)
-
-
-_LANE_G, _LANE_T = np.arange(32) // 4, np.arange(32) % 4
-
-
-def _a_tile(halves: np.ndarray) -> np.ndarray:
-    """The 16 x 16 A tile of a warp's fragments a0..a3, (32 lanes, 4, 2 halves) as values
-    (module docstring: mma's and a warpgroup mma's warp share the layout)."""
-    a = np.zeros((16, 16))
-    for col in (0, 1):
-        a[_LANE_G, 2 * _LANE_T + col] = halves[:, 0, col]
-        a[_LANE_G + 8, 2 * _LANE_T + col] = halves[:, 1, col]
-        a[_LANE_G, 2 * _LANE_T + 8 + col] = halves[:, 2, col]
-        a[_LANE_G + 8, 2 * _LANE_T + 8 + col] = halves[:, 3, col]
-    return a
-
-
-def _c_tile(accum: np.ndarray) -> np.ndarray:
-    """The 16 x 8 C tile of a warp's accumulators c0..c3, (32 lanes, 4)."""
-    c = np.zeros((16, 8))
-    for col in (0, 1):
-        c[_LANE_G, 2 * _LANE_T + col] = accum[:, col]
-        c[_LANE_G + 8, 2 * _LANE_T + col] = accum[:, 2 + col]
-    return c
-
-
-def _twin_mma(half: str):
-    """m16n8k16 as the hardware defines its fragments (module docstring); every lane of
-    the warp must call it, as with the real instruction."""
-
-    def multiply(lanes):
-        halves = _halves_to_f64(np.array([s[:6] for s in lanes], dtype=np.uint64), half)  # (32, 6, 2)
-        b = np.zeros((16, 8))
-        for col in (0, 1):
-            b[2 * _LANE_T + col, _LANE_G] = halves[:, 4, col]
-            b[2 * _LANE_T + 8 + col, _LANE_G] = halves[:, 5, col]
-        c = _c_tile(np.array([s[6:] for s in lanes], dtype=np.float64))
-        return (_a_tile(halves) @ b + c).astype(np.float32)
-
-    def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
-        lane, warp = _warp()
-        d = warp.meet(lane, (a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), multiply)
-        g, t = divmod(lane, 4)
-        return d[g, 2 * t], d[g, 2 * t + 1], d[g + 8, 2 * t], d[g + 8, 2 * t + 1]
-
-    return mma
-
-
-def _warpgroup():
-    """(thread in warpgroup, warpgroup) of the calling simulated thread."""
-    block_dim = threading.current_thread()._manager._block_dim
-    if int(np.prod(block_dim)) % 128:
-        raise ValueError(f"warpgroup_mma needs blocks of whole warpgroups (128 threads), got {block_dim}")
-    return _group(128)
-
-
-def _core_matrix_words(offset: int, lbo: int, sbo: int, n: int) -> np.ndarray:
-    """(16, n) flat word indices and half (0 low, 1 high) of a K-major operand's elements
-    (k, col) in shared memory: B's columns, or A's rows (col = row)."""
-    k, col = np.meshgrid(np.arange(16), np.arange(n), indexing="ij")
-    byte = 4 * offset + (col // 8) * sbo + (k // 8) * lbo + (col % 8) * 16 + (k % 8) * 2
-    return byte // 4, (byte // 2) % 2
-
-
-def _read_core_matrices(flat, offset, lbo, sbo, n: int, half: str, group: _Group) -> np.ndarray:
-    """The (16, n) values a descriptor names, remembered with the words read (for the
-    wait's check that they are not overwritten while the mma may still read them)."""
-    if (4 * int(offset)) % 16 or int(lbo) % 16 or int(sbo) % 16:
-        raise ValueError("warpgroup_mma: a shared tile's address, lbo and sbo must be multiples of 16 bytes")
-    words, which = _core_matrix_words(int(offset), int(lbo), int(sbo), n)
-    read = np.array(flat[words], np.uint32)
-    group.open.append((flat, words, read))
-    return _halves_to_f64(read, half)[np.arange(16)[:, None], np.arange(n)[None, :], which]
-
-
-def _twin_warpgroup(half: str, n: int, a_in_shared: bool):
-    """wgmma m64nNk16 with A from registers or shared memory (module docstring), computed
-    at issue; each mma remembers the shared words it read so that `warpgroup_wait` can
-    check them."""
-    regs = n // 2
-
-    def multiply(a_words, shared, a_tile, b_tile, acc, first):
-        index, group = _warpgroup()
-        flat_acc = acc.reshape(-1)
-
-        def compute(threads):
-            a, d = np.zeros((64, 16)), np.zeros((64, n))
-            flat = shared.reshape(-1)
-            if a_in_shared:
-                a = _read_core_matrices(flat, *a_tile, 64, half, group).T
-            for warp in range(4):
-                lanes = threads[32 * warp: 32 * warp + 32]
-                accs = np.array([s[1] for s in lanes], dtype=np.float64).reshape(32, regs // 4, 4)
-                if not a_in_shared:  # each warp a 16-row m16n8k16 A tile...
-                    halves = _halves_to_f64(np.array([s[0] for s in lanes], dtype=np.uint64), half)  # (32, 4, 2)
-                    a[16 * warp:16 * warp + 16] = _a_tile(halves)
-                for j in range(n // 8):  # ...and a C tile per n8 column tile
-                    d[16 * warp:16 * warp + 16, 8 * j:8 * j + 8] = _c_tile(accs[:, j])
-            b = _read_core_matrices(flat, *b_tile, n, half, group)
-            return (a @ b + d).astype(np.float32)
-
-        d = group.meet(index, (a_words, tuple(flat_acc[first:first + regs])), compute)
-        warp, lane = divmod(index, 32)
-        rows = 16 * warp + lane // 4
-        cols = 2 * (lane % 4) + 8 * np.arange(n // 8)
-        out = np.stack([d[rows, cols], d[rows, cols + 1], d[rows + 8, cols], d[rows + 8, cols + 1]], axis=1)
-        flat_acc[first:first + regs] = out.reshape(-1)
-
-    if a_in_shared:
-        def shared_warpgroup_mma(shared, a_offset, a_lbo, a_sbo, b_offset, b_lbo, b_sbo, acc, first):
-            multiply(None, shared, (a_offset, a_lbo, a_sbo), (b_offset, b_lbo, b_sbo), acc, first)
-
-        return shared_warpgroup_mma
-
-    def warpgroup_mma(a0, a1, a2, a3, shared, offset, lbo, sbo, acc, first):
-        multiply((a0, a1, a2, a3), shared, None, (offset, lbo, sbo), acc, first)
-
-    return warpgroup_mma
-
-
-def _twin_warpgroup_commit():
-    index, group = _warpgroup()
-
-    def commit(_):
-        group.committed.append(group.open)
-        group.open = []
-
-    group.meet(index, None, commit)
-
-
-def _twin_warpgroup_wait(newest: int):
-    def warpgroup_wait():
-        index, group = _warpgroup()
-
-        def check(_):
-            overwritten = False
-            while len(group.committed) > newest:
-                for flat, words, read in group.committed.pop(0):
-                    overwritten |= not np.array_equal(flat[words], read)
-            if overwritten:
-                raise RuntimeError("warpgroup_mma: a shared tile it read was overwritten before the warpgroup_wait "
-                                   "that covers it")
-
-        group.meet(index, None, check)
-
-    return warpgroup_wait
-
-
-def _twin_load_words(count: int):
-    def load(array, offset):
-        flat = array.reshape(-1)
-        size = flat.dtype.itemsize
-        per_word, mask = 4 // size, (1 << 8 * size) - 1
-        words = []
-        for w in range(count):
-            value = 0
-            for b in range(per_word):
-                value |= (int(flat[offset + w * per_word + b]) & mask) << (8 * size * b)
-            words.append(np.uint32(value))
-        return words[0] if count == 1 else tuple(words)
-
-    return load
-
-
-def _twin_load_bits(array, offset):
-    return np.array(array.reshape(-1)[offset]).view(np.uint32)[()]
-
-
-_arrival_lock = threading.Lock()
-
-
-def _twin_arrive(array, offset):
-    with _arrival_lock:
-        flat = array.reshape(-1)
-        old = np.uint32(flat[offset])
-        flat[offset] = old + np.uint32(1)
-    return old
-
-
-_pending = threading.local()
-
-
-def _twin_async_copies():
-    """Copies are queued per thread and land when a wait lets their group complete."""
-
-    def queue():
-        if not hasattr(_pending, "groups"):
-            _pending.open, _pending.groups = [], []
-        return _pending
-
-    def copy_async(shared, shared_offset, source, source_base, source_offset, source_bytes):
-        chunk = np.zeros(16, np.uint8)
-        if source_bytes:
-            flat = source.reshape(-1)
-            count = 16 // flat.dtype.itemsize
-            first = int(source_base) + int(source_offset)
-            chunk[:] = np.ascontiguousarray(flat[first:first + count]).view(np.uint8)
-        queue().open.append((shared, int(shared_offset), chunk.view(np.uint32)))
-
-    def commit_copies():
-        state = queue()
-        state.groups.append(state.open)
-        state.open = []
-
-    def wait(newest: int):
-        def wait_copies():
-            state = queue()
-            while len(state.groups) > newest:
-                for shared, offset, words in state.groups.pop(0):
-                    shared.reshape(-1)[offset:offset + 4] = words
-
-        return wait_copies
-
-    return copy_async, commit_copies, {n: wait(n) for n in range(8)}
-
-
-def _twin_ldmatrix4(shared, offset):
-    lane, warp = _warp()
-    flat = shared.reshape(-1)
-
-    def load(rows):  # every lane's words read at once, as the instruction reads them
-        return [tuple(np.uint32(flat[rows[8 * j + r // 4] + r % 4]) for j in range(4)) for r in range(32)]
-
-    return warp.meet(lane, int(offset), load)[lane]
-
-
-def _twin_f32_bits(x):
-    return np.float32(x).view(np.uint32)
-
-
-def _twin_bits_f32(u):
-    return np.uint32(int(u) & 0xFFFFFFFF).view(np.float32)
-
-
-# ---------------------------------------------------------------------------------------
 # The GPU side: libdevice bit casts and the 16-byte load intrinsic.
 # ---------------------------------------------------------------------------------------
 
@@ -668,16 +283,6 @@ def _gpu_fast_math():
         return libdevice.fast_fdividef(float32(a), float32(b))
 
     return exp_approx, divide_approx
-
-
-def _twin_exp_approx(x):
-    with np.errstate(over="ignore"):
-        return np.exp(np.float32(x))
-
-
-def _twin_divide_approx(a, b):
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.float32(a) / np.float32(b)
 
 
 def _element_pointer(context, builder, array_type, array, offset_type, offset):
@@ -911,38 +516,35 @@ def _gpu_statement(asm: str, emitted=lambda: True):
     return statement
 
 
-def _twin_no_op():
-    pass
-
 
 # ---------------------------------------------------------------------------------------
 # Public selection: the helper for this mode.
 # ---------------------------------------------------------------------------------------
 
-f32_bits, bits_f32 = (_twin_f32_bits, _twin_bits_f32) if SIMULATED else _gpu_bit_casts()
+f32_bits, bits_f32 = (twins.f32_bits, twins.bits_f32) if SIMULATED else _gpu_bit_casts()
 # exp_approx(x), divide_approx(a, b): float32 e^x and a / b from the special-function unit
 # (ex2.approx of x log2 e; a times rcp.approx b), a few ulp from the correctly rounded
 # results, in four instructions instead of libdevice's expf and IEEE division (tens, and
 # a slow-path branch). divide_approx gives 0 for 2^126 < |b| < 2^128. The twins compute
 # exactly: the GPU tests hold the approximations to the references' tolerances.
-exp_approx, divide_approx = (_twin_exp_approx, _twin_divide_approx) if SIMULATED else _gpu_fast_math()
+exp_approx, divide_approx = (twins.exp_approx, twins.divide_approx) if SIMULATED else _gpu_fast_math()
 # load_words[n](array, offset): n = 1, 2 or 4 little-endian 32-bit words starting at flat
 # element `offset` of a C-contiguous integer array of any width (the address must be
 # aligned to the load's size); read-only cache path. No index arithmetic beyond one add.
-load_words = {n: _twin_load_words(n) if SIMULATED else _gpu_word_load(n, "global") for n in (1, 2, 4)}
+load_words = {n: twins.load_words(n) if SIMULATED else _gpu_word_load(n, "global") for n in (1, 2, 4)}
 # load_shared[n](shared, offset): the same from a uint32 shared array.
-load_shared = {n: _twin_load_words(n) if SIMULATED else _gpu_word_load(n, "shared") for n in (1, 2, 4)}
+load_shared = {n: twins.load_words(n) if SIMULATED else _gpu_word_load(n, "shared") for n in (1, 2, 4)}
 # load_coherent(array, offset): the 32-bit word at flat element `offset` of a 32-bit array,
 # cached in L2 only: words another CTA of the same launch wrote (published by `arrive`) are
 # read as written, never from a stale L1 line (`epilogue`).
-load_coherent = _twin_load_bits if SIMULATED else _gpu_read("ld.global.cg.u32 $0, [$1];", 1, _element_pointer)
+load_coherent = twins.load_bits if SIMULATED else _gpu_read("ld.global.cg.u32 $0, [$1];", 1, _element_pointer)
 # arrive(counters, i): adds 1 to flat element `i` of a 32-bit counter array and returns the
 # old value, as a release and an acquire at GPU scope. After a `syncthreads`, one thread's
 # arrive publishes the stores of its whole CTA (the barrier orders them before it), and
 # the CTA that sees the last arrival reads every other CTA's stores after a `syncthreads`:
 # no `threadfence` (a sequentially consistent fence, in every thread) on either side. The
 # pattern of CUTLASS's semaphore (`epilogue`).
-arrive = _twin_arrive if SIMULATED else _gpu_read("atom.acq_rel.gpu.global.add.u32 $0, [$1], 1;", 1, _element_pointer,
+arrive = twins.arrive if SIMULATED else _gpu_read("atom.acq_rel.gpu.global.add.u32 $0, [$1], 1;", 1, _element_pointer,
                                                   in_place=True)
 # copy_async(shared, i, source, base, j, source_bytes): 16 bytes from flat element base + j
 # of a global array to shared word i (both 16-byte aligned); bytes past source_bytes (0 or
@@ -950,29 +552,29 @@ arrive = _twin_arrive if SIMULATED else _gpu_read("atom.acq_rel.gpu.global.add.u
 # it is derived once, and each copy adds its own `j`, so 32-bit offsets cost one address
 # computation per copy.
 # commit_copies() closes a group; wait_copies[n]() waits for all groups but the newest n.
-copy_async, commit_copies, wait_copies = _twin_async_copies() if SIMULATED else _gpu_async_copies()
+copy_async, commit_copies, wait_copies = twins.async_copies() if SIMULATED else _gpu_async_copies()
 # ldmatrix4(shared, i): the warp's four 8x8 half matrices, lane l naming a row at word i.
-ldmatrix4 = _twin_ldmatrix4 if SIMULATED else _gpu_read(
+ldmatrix4 = twins.ldmatrix4 if SIMULATED else _gpu_read(
     "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];", 4, _shared_pointer, in_place=True)
 # Programmatic dependent launch (module docstring): wait_for_previous() blocks until the
 # kernel before has finished; release_next() lets the kernel after start launching.
-wait_for_previous = _twin_no_op if SIMULATED else _gpu_statement("griddepcontrol.wait;", hopper)
-release_next = _twin_no_op if SIMULATED else _gpu_statement("griddepcontrol.launch_dependents;", hopper)
+wait_for_previous = twins.no_op if SIMULATED else _gpu_statement("griddepcontrol.wait;", hopper)
+release_next = twins.no_op if SIMULATED else _gpu_statement("griddepcontrol.launch_dependents;", hopper)
 # Warpgroup mma (module docstring): fence, commit and wait for `warpgroup_mma`'s groups.
-warpgroup_fence = _twin_no_op if SIMULATED else _gpu_statement("wgmma.fence.sync.aligned;")
-warpgroup_commit = _twin_warpgroup_commit if SIMULATED else _gpu_statement("wgmma.commit_group.sync.aligned;")
-warpgroup_wait = {n: _twin_warpgroup_wait(n) if SIMULATED else _gpu_statement(f"wgmma.wait_group.sync.aligned {n};")
+warpgroup_fence = twins.no_op if SIMULATED else _gpu_statement("wgmma.fence.sync.aligned;")
+warpgroup_commit = twins.warpgroup_commit if SIMULATED else _gpu_statement("wgmma.commit_group.sync.aligned;")
+warpgroup_wait = {n: twins.warpgroup_wait(n) if SIMULATED else _gpu_statement(f"wgmma.wait_group.sync.aligned {n};")
                   for n in range(8)}
 # async_proxy_fence(): this thread's shared-memory stores (words of an A or B tile) become
 # visible to the tensor cores' reads of a later warpgroup mma (after a barrier for other
 # threads' stores).
-async_proxy_fence = _twin_no_op if SIMULATED else _gpu_statement("fence.proxy.async.shared::cta;")
+async_proxy_fence = twins.no_op if SIMULATED else _gpu_statement("fence.proxy.async.shared::cta;")
 _load4 = load_words[4]
 # and_or(a, mask, bits) = (a & mask) | bits in one instruction (ptxas splits the pair when
 # both constants are immediates): the int4 code -> magic-half step of dequantisation.
 # byte_perm(a, b, selector): bytes of b:a picked by the selector's nibbles (prmt.b32).
-and_or = _twin_and_or if SIMULATED else _declared()["and_or"]
-byte_perm = _twin_byte_perm if SIMULATED else _declared()["byte_perm"]
+and_or = twins.and_or if SIMULATED else _declared()["and_or"]
+byte_perm = twins.byte_perm if SIMULATED else _declared()["byte_perm"]
 
 
 @device
@@ -992,7 +594,7 @@ def _helper(half: str, twin, stem: str):
 @functools.cache
 def mma(half: str):
     """Warp-collective D = A @ B + C, m16n8k16, `half` operands, float32 accumulators."""
-    return _helper(half, _twin_mma, "mma")
+    return _helper(half, twins.mma, "mma")
 
 
 WARPGROUP_COLUMNS = tuple(range(8, 257, 8))
@@ -1009,7 +611,7 @@ def warpgroup_mma(half: str, n: int):
     (module docstring), n / 2 float32 accumulators a thread, in place; sm_90a."""
     _check_half(half)
     _check_columns(n)
-    return _twin_warpgroup(half, n, False) if SIMULATED else _gpu_warpgroup(half, n, False)
+    return twins.warpgroup(half, n, False) if SIMULATED else _gpu_warpgroup(half, n, False)
 
 
 @functools.cache
@@ -1018,32 +620,32 @@ def shared_warpgroup_mma(half: str, n: int):
     (module docstring): (shared, a_offset, a_lbo, a_sbo, b_offset, b_lbo, b_sbo, acc, first)."""
     _check_half(half)
     _check_columns(n)
-    return _twin_warpgroup(half, n, True) if SIMULATED else _gpu_warpgroup(half, n, True)
+    return twins.warpgroup(half, n, True) if SIMULATED else _gpu_warpgroup(half, n, True)
 
 
 @functools.cache
 def fma2(half: str):
     """Two half-precision fused multiply-adds on packed pairs, rounded to nearest even."""
-    return _helper(half, _twin_fma2, "fma")
+    return _helper(half, twins.fma2, "fma")
 
 
 @functools.cache
 def fma2_splat(half: str, which: int):
     """fma2(a, (b's half `which`, the same), c): b's low (0) or high (1) half multiplies
     both lanes, in the one instruction (HFMA2's operand swizzle)."""
-    return _helper(half, _twin_fma2_splat(which), ("fma_lo", "fma_hi")[which])
+    return _helper(half, twins.fma2_splat(which), ("fma_lo", "fma_hi")[which])
 
 
 @functools.cache
 def pack2(half: str):
     """Two float32 -> one uint32 holding (lo, hi) as halves, rounded to nearest even."""
-    return _helper(half, _twin_pack2, "pack")
+    return _helper(half, twins.pack2, "pack")
 
 
 @functools.cache
 def to_half(half: str):
     """float32 -> half bit pattern (in a uint32), rounded to nearest even."""
-    return _helper(half, _twin_to_half, "to")
+    return _helper(half, twins.to_half, "to")
 
 
 @functools.cache
@@ -1051,7 +653,7 @@ def half_to_f32(half: str):
     """Half bit pattern (any integer holding 16 bits) -> float32, exactly."""
     _check_half(half)
     if half == "float16":
-        return _twin_f16_to_f32 if SIMULATED else _declared()["f16_to_f32"]
+        return twins.f16_to_f32 if SIMULATED else _declared()["f16_to_f32"]
 
     @device
     def bf16_to_f32(h):

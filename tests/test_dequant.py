@@ -12,7 +12,7 @@ from layouts import formats
 from layouts.strategies import random_quantized, spec_and_weight
 from numba_kernels import interop
 from numba_kernels.dequant import dequantize, reference_dequantize
-from numba_kernels.ptx import round_to_half_bits
+from numba_kernels.twins import round_to_half_bits
 from numba_kernels.weights import KernelWeights
 
 OUT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]

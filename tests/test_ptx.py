@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from numba import cuda, float32, int32, uint32
 
-from numba_kernels import ptx
-from numba_kernels.ptx import round_to_half_bits
+from numba_kernels import ptx, twins
+from numba_kernels.twins import round_to_half_bits
 
 HALVES = ["bfloat16", "float16"]
 
@@ -60,7 +60,7 @@ def test_mma_is_a_times_b_plus_c_with_the_documented_fragments(half):
 
 @pytest.mark.skipif(not ptx.SIMULATED, reason="the twin's check (on the GPU a diverged mma is undefined)")
 def test_mma_twin_fails_the_lanes_of_a_diverged_mma_instead_of_hanging(monkeypatch):
-    monkeypatch.setattr(ptx._Group, "TIMEOUT_SECONDS", 0.5)
+    monkeypatch.setattr(twins.Group, "TIMEOUT_SECONDS", 0.5)
     mma = ptx.mma("bfloat16")
 
     @ptx.kernel
