@@ -12,7 +12,8 @@ fragment in the wrong lane gives a wrong product here too. The fragment layouts 
 
 The simulator runs each thread of a block as a Python thread; these functions never
 name `cuda`, so `ptx.device` keeps the kernels' helpers that call them plain Python (no
-module swap, no lock per call).
+module swap, no lock per call). One serves the GPU's host side too:
+`round_to_half_bits`, for the half constants that kernels are compiled with.
 """
 
 from __future__ import annotations
@@ -402,6 +403,7 @@ def f32_bits(x):
 def bits_f32(u):
     return np.uint32(int(u) & 0xFFFFFFFF).view(np.float32)
 
+
 def exp_approx(x):
     with np.errstate(over="ignore"):
         return np.exp(np.float32(x))
@@ -410,7 +412,6 @@ def exp_approx(x):
 def divide_approx(a, b):
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.float32(a) / np.float32(b)
-
 
 
 def no_op():
