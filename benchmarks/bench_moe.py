@@ -23,7 +23,9 @@ of five rounds of 100 forwards). The floor of the
 two GEMMs is max(bytes of the touched experts' weights / copy bandwidth, flops / bf16
 matmul rate), both ceilings measured in the same run. Weights are random
 bits written straight into the kernel layout (timing does not depend on their values;
-correctness is the tests' job).
+correctness is the tests' job). Each row names the GPU whose tuned table chose its tiles
+(`tuned_on`: this one, another of its architecture, or None for the heuristic;
+NUMBA_MOE_TUNED=0 times the heuristic's tiles).
 
     python benchmarks/bench_moe.py --json results.json [--shapes qwen3 mixtral] [--tokens 1 16]
 """
@@ -41,6 +43,7 @@ import torch
 
 import numba_kernels  # noqa: F401  (before numba: no simulator on a GPU machine)
 from moe import MoEConfig, MoEHooks, MoELayer, QuantScheme, check_inputs, prepare
+from moe.oracle import tuned_entries
 from moe.runner import fused_activation, fused_combine
 from numba_kernels import interop
 from numba_kernels.gemm import grouped_gemm
@@ -305,9 +308,12 @@ def main(argv=None) -> None:
             config = MoEConfig(**SHAPES[shape], quant=FORMATS[format_name])
             layer = MoELayer(config, max_tokens=max(args.tokens))
             layer.weights.fill_random(seed=1)
+            tuned_on = tuned_entries(config, layer.weights.spec)[0]
+            print(f"{shape} {format_name}: tiles tuned on {tuned_on}" if tuned_on else
+                  f"{shape} {format_name}: untuned (the oracle's heuristic)")
             for tokens in args.tokens:
-                row = dict(shape=shape, format=format_name, **bench_row(timer, layer, reference, tokens, generator,
-                                                                        bandwidth, rate))
+                row = dict(shape=shape, format=format_name, tuned_on=tuned_on,
+                           **bench_row(timer, layer, reference, tokens, generator, bandwidth, rate))
                 rows.append(row)
                 print(f"{shape:9s} {format_name:11s} M={tokens:5d} touched={row['experts_touched']:3d} "
                       f"gemm {row['gemm_ms']:.4f} ms  layer {row['layer_ms']:.4f} ms  floor {row['floor_ms']:.4f} ms "

@@ -20,6 +20,7 @@ from numba_kernels.ptx import SIMULATED
 from numba_kernels.routing import reference_route
 
 from . import MoEConfig, MoELayer, QuantScheme
+from .oracle import tuned_entries
 from .reference import random_checkpoint, reference_moe
 
 QWEN3 = dict(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768)
@@ -53,6 +54,10 @@ def main(argv=None) -> None:
     rng = np.random.default_rng(0)
     checkpoint = random_checkpoint(config, rng)
     layer = MoELayer(config, max_tokens=args.tokens)
+    tuned_on = tuned_entries(config, layer.weights.spec)[0]
+    untuned = "tuned tables are measured on GPUs" if SIMULATED else \
+        "no tuned table for this shape on this GPU's architecture: `python -m moe.tune` writes one"
+    print(f"tiles: tuned on {tuned_on}" if tuned_on else f"tiles: the oracle's heuristic ({untuned})")
     start = time.perf_counter()
     layer.load_weights(checkpoint.w1, checkpoint.w2, checkpoint.w3)
     print(f"weights converted to the kernel layout in {time.perf_counter() - start:.2f} s")

@@ -3,8 +3,10 @@ call shape (the GEMM wrappers compile what it names, once per configuration). No
 in the runner makes these choices.
 
 `select_backend(config, num_tokens, spec)` looks the shape up in the tuned configurations
-of this device (`moe/tuned/<device>.json`, written by `python -m moe.tune`) and falls
-back to a heuristic:
+of this device (`moe/tuned/sm_<major><minor>/<device>.json`, written by `python -m
+moe.tune`), else in those another GPU of the same architecture measured (`tuned_entries`:
+an H100 takes the H200's tiles until it is tuned itself, rather than the untuned
+heuristic), and falls back to a heuristic:
 
 * decode (few tokens per expert): operands straight from global memory, 4 warps splitting
   K, batches of 2 slabs each (double buffered; 4 with swapped operands), and a K split
@@ -49,6 +51,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
 
 import attrs
@@ -64,6 +67,9 @@ from numba_kernels.route_align import max_lanes
 from .config import MoEConfig
 
 TUNED_DIR = Path(__file__).parent / "tuned"
+"""Tuned tables, a directory per architecture: `sm_90/NVIDIA_H200.json`."""
+USE_TUNED = os.environ.get("NUMBA_MOE_TUNED", "1") != "0"
+"""NUMBA_MOE_TUNED=0: the heuristic only (what the tuned tables buy, or a suspect entry ruled out)."""
 DECODE_TOKENS_PER_EXPERT = 16
 SWAP_TOKENS_PER_EXPERT = 4
 FUSED_ROUTING_TOKENS = 16
@@ -102,6 +108,14 @@ def device_name() -> str:
     if interop.kernel_device().type != "cuda":
         return "simulator"
     return torch.cuda.get_device_name().replace(" ", "_")
+
+
+def device_architecture() -> str:
+    """The directory of this device's tuned tables: `sm_90` for compute capability 9.0."""
+    if interop.kernel_device().type != "cuda":
+        return "simulator"
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}"
 
 
 def expected_blocks(config: MoEConfig, num_tokens: int, block_m: int) -> int:
@@ -212,11 +226,30 @@ def shape_key(config: MoEConfig, spec: QuantSpec) -> str:
             f"I={config.intermediate_size},spec={spec.name},group={spec.group_size}")
 
 
+def tuned_path(architecture: str, device: str) -> Path:
+    return TUNED_DIR / architecture / f"{device}.json"
+
+
 @functools.cache
-def tuned_table(device: str) -> dict:
-    """{shape key: {num_tokens: backend dict}} measured on `device`, or empty."""
-    path = TUNED_DIR / f"{device}.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+def tuned_tables(architecture: str) -> dict:
+    """{device: {shape key: {num_tokens: backend dict}}}: the tables measured on GPUs of
+    `architecture`, by device name."""
+    return {path.stem: json.loads(path.read_text()) for path in sorted((TUNED_DIR / architecture).glob("*.json"))}
+
+
+def tuned_entries(config: MoEConfig, spec: QuantSpec) -> tuple[str | None, dict]:
+    """(device, {num_tokens: backend dict}): the tuned entries of this shape from this
+    device's own table, else from the first (by name) table of another GPU of the same
+    architecture that has the shape (tiles carry over within an architecture: the same
+    instructions, shared memory and registers per multiprocessor; only the best choice
+    may shift with bandwidth and multiprocessor count), else (None, {})."""
+    if not USE_TUNED:
+        return None, {}
+    tables, key, own = tuned_tables(device_architecture()), shape_key(config, spec), device_name()
+    for device in sorted(tables, key=lambda name: (name != own, name)):
+        if key in tables[device]:
+            return device, tables[device][key]
+    return None, {}
 
 
 def backend_from_dict(value: dict) -> Backend:
@@ -235,11 +268,11 @@ regime follows the token count, rather than a table entry from another regime.""
 
 def select_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec) -> Backend:
     """The backend for `num_tokens` tokens through weights stored as `spec`: the tuned
-    entry for the largest measured token count m <= num_tokens < TUNED_REACH * m, else
-    the heuristic."""
+    entry (`tuned_entries`) for the largest measured token count m <= num_tokens <
+    TUNED_REACH * m, else the heuristic."""
     if num_tokens < 1:
         raise ValueError(f"num_tokens must be positive, got {num_tokens}")
-    entries = tuned_table(device_name()).get(shape_key(config, spec), {})
+    _, entries = tuned_entries(config, spec)
     measured = [int(m) for m in entries if int(m) <= num_tokens < TUNED_REACH * int(m)]
     if measured:
         return backend_from_dict(entries[str(max(measured))])

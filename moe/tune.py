@@ -1,5 +1,6 @@
 """`python -m moe.tune`: measure tile configurations on this GPU and save the best per
-token count to `moe/tuned/<device>.json`, which the oracle (`select_backend`) reads.
+token count to `moe/tuned/sm_<major><minor>/<device>.json`, which the oracle
+(`select_backend`) reads, also for other GPUs of the architecture until they are tuned.
 
 For each token count M it routes M random tokens, and for each alignment block size
 times every candidate tile of gemm1 and of gemm2 on that alignment, each together with
@@ -51,8 +52,8 @@ from numba_kernels.gemm import GemmTile, grouped_gemm
 from numba_kernels.launch import replaying
 
 from .config import MoEConfig, QuantScheme
-from .oracle import (DECODE_TILE, SWAPPED_DECODE_TILE, TUNED_DIR, Backend, activation_finishable, backend_to_dict,
-                     device_name, select_backend, shape_key, tuned_table)
+from .oracle import (DECODE_TILE, SWAPPED_DECODE_TILE, Backend, activation_finishable, backend_to_dict,
+                     device_architecture, device_name, select_backend, shape_key, tuned_path, tuned_tables)
 from .runner import fused_activation, fused_combine
 from .weights import ExpertWeights, kernel_spec
 from .workspace import arrivals_elements, gemm_out_elements, gemm_view
@@ -283,14 +284,15 @@ def tune(config: MoEConfig, token_counts: Iterable[int], *, measure: Measure | N
 
 
 def save(config: MoEConfig, backends: dict[int, Backend], device: str | None = None) -> str:
-    """Merge `backends` into this device's tuned table; returns the file written."""
-    path = TUNED_DIR / f"{device or device_name()}.json"
+    """Merge `backends` into this device's tuned table (or `device`'s, of this device's
+    architecture); returns the file written."""
+    path = tuned_path(device_architecture(), device or device_name())
     table = json.loads(path.read_text()) if path.exists() else {}
     entries = table.setdefault(shape_key(config, kernel_spec(config)), {})
     entries.update({str(m): backend_to_dict(b) for m, b in backends.items()})
-    TUNED_DIR.mkdir(exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
-    tuned_table.cache_clear()
+    tuned_tables.cache_clear()
     return str(path)
 
 

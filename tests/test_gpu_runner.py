@@ -13,7 +13,7 @@ from fusing import SeparateReductions, fuse_every_tile
 
 import moe.oracle
 from moe import MoEConfig, MoELayer, QuantScheme, batched_moe, select_backend
-from moe.oracle import device_name, shape_key, tuned_table
+from moe.oracle import device_architecture, shape_key, tuned_tables
 from moe.reference import random_checkpoint, reference_moe
 from moe.tune import tune
 from moe.weights import kernel_spec
@@ -176,9 +176,10 @@ def test_tuner_times_candidates_with_cuda_graphs():
 
 
 def _tuned_entries() -> list:
-    """(shape key, token count) of every entry of this device's tuned table."""
-    table = {} if SIMULATED else tuned_table(device_name())
-    return [(key, int(m)) for key, entries in sorted(table.items()) for m in sorted(entries, key=int)]
+    """(shape key, token count) of every tuned entry this device's architecture ships."""
+    tables = {} if SIMULATED else tuned_tables(device_architecture())
+    keys = sorted({key for table in tables.values() for key in table})
+    return [(key, m) for key in keys for m in sorted({int(m) for table in tables.values() for m in table.get(key, {})})]
 
 
 def _config_of(key: str) -> MoEConfig:
@@ -201,7 +202,7 @@ def test_tuned_entries_compute_what_the_heuristic_computes(key, tokens, monkeypa
     hidden, logits = _inputs(config, tokens, 5)
     chosen = select_backend(config, tokens, tuned.weights.spec)
     got = tuned(hidden, logits).float()
-    monkeypatch.setattr(moe.oracle, "tuned_table", lambda device: {})
+    monkeypatch.setattr(moe.oracle, "USE_TUNED", False)
     heuristic = MoELayer(config, max_tokens=tokens)
     heuristic.weights = tuned.weights
     if select_backend(config, tokens, tuned.weights.spec) == chosen:

@@ -25,10 +25,9 @@ def empty_tuned_dir(tmp_path, monkeypatch):
     """The oracle and the tuner on an empty directory of tuned tables (the heuristic's
     choices until a test saves one, whatever this device tuned)."""
     monkeypatch.setattr(moe.oracle, "TUNED_DIR", tmp_path)
-    monkeypatch.setattr(moe.tune, "TUNED_DIR", tmp_path)
-    moe.oracle.tuned_table.cache_clear()
+    moe.oracle.tuned_tables.cache_clear()
     yield tmp_path
-    moe.oracle.tuned_table.cache_clear()
+    moe.oracle.tuned_tables.cache_clear()
 
 
 def test_tuner_keeps_the_fastest_tiles_and_the_oracle_reads_them(empty_tuned_dir):
@@ -53,12 +52,49 @@ def test_tuner_keeps_the_fastest_tiles_and_the_oracle_reads_them(empty_tuned_dir
     assert sorted(launched[8:], key=repr) == sorted([pair for pair in pairs for _ in range(2)], key=repr)
     assert best[2] == Backend(16, SLOW, FAST)  # the fastest pair, not the fastest tiles alone
 
-    path = save(CONFIG, best, device=moe.oracle.device_name())
-    assert path.endswith(f"{moe.oracle.device_name()}.json")
+    path = save(CONFIG, best)
+    assert path == str(empty_tuned_dir / moe.oracle.device_architecture() / f"{moe.oracle.device_name()}.json")
     assert select_backend(CONFIG, 2, kernel_spec(CONFIG)) == best[2]
     assert select_backend(CONFIG, 7, kernel_spec(CONFIG)) == best[2]  # largest measured M not above...
     assert select_backend(CONFIG, 8, kernel_spec(CONFIG)) != best[2]  # ...within TUNED_REACH = 4 times it
     assert select_backend(CONFIG, 1, kernel_spec(CONFIG)) != best[2]  # below every entry: the heuristic
+
+
+def test_a_device_without_a_table_takes_its_architecture_siblings(empty_tuned_dir, monkeypatch):
+    """An untuned GPU (an H100) takes the entries another GPU of its architecture measured
+    (an H200's), shape by shape; its own entries win once it has them; NUMBA_MOE_TUNED=0
+    (`USE_TUNED`) leaves the heuristic."""
+    spec = kernel_spec(CONFIG)
+    heuristic = select_backend(CONFIG, 2, spec)
+    sibling, other = Backend(16, SLOW, FAST), Backend(16, FAST, SLOW)
+    assert heuristic not in (sibling, other)
+    save(CONFIG, {2: other}, device="Z_GPU")
+    save(CONFIG, {2: sibling}, device="A_GPU")  # two siblings: the first by name serves
+    save(attrs.evolve(CONFIG, hidden_size=64), {2: other}, device="0_GPU")  # a sibling without this shape
+    assert moe.oracle.tuned_entries(CONFIG, spec) == ("A_GPU", {"2": moe.oracle.backend_to_dict(sibling)})
+    assert select_backend(CONFIG, 2, spec) == sibling
+    save(CONFIG, {2: other})  # this device's own entry
+    assert moe.oracle.tuned_entries(CONFIG, spec)[0] == moe.oracle.device_name()
+    assert select_backend(CONFIG, 2, spec) == other
+    monkeypatch.setattr(moe.oracle, "USE_TUNED", False)
+    assert moe.oracle.tuned_entries(CONFIG, spec) == (None, {})
+    assert select_backend(CONFIG, 2, spec) == heuristic
+    monkeypatch.setattr(moe.oracle, "USE_TUNED", True)
+    monkeypatch.setattr(moe.oracle, "device_architecture", lambda: "sm_100")  # another architecture: none
+    assert select_backend(CONFIG, 2, spec) == heuristic
+
+
+def test_the_shipped_tables_are_filed_by_architecture():
+    """`moe/tuned/sm_<major><minor>/<device>.json`, each entry a valid backend."""
+    folders = list(moe.oracle.TUNED_DIR.iterdir())
+    assert folders and all(path.is_dir() and path.name.startswith("sm_") for path in folders)
+    for folder in folders:
+        for device, table in moe.oracle.tuned_tables(folder.name).items():
+            assert table and " " not in device
+            for entries in table.values():
+                for value in entries.values():
+                    backend = moe.oracle.backend_from_dict(value)
+                    assert backend.gemm1.block_m == backend.gemm2.block_m == backend.block_m
 
 
 @pytest.mark.parametrize("tokens", [1, 16, 256, 4096])
