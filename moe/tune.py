@@ -53,7 +53,8 @@ from numba_kernels.launch import replaying
 
 from .config import MoEConfig, QuantScheme
 from .oracle import (DECODE_TILE, SWAPPED_DECODE_TILE, Backend, activation_finishable, backend_to_dict,
-                     device_architecture, device_name, select_backend, shape_key, tuned_path, tuned_tables)
+                     device_architecture, device_name, heuristic_backend, select_backend, shape_key, tuned_path,
+                     tuned_tables)
 from .runner import fused_activation, fused_combine
 from .weights import ExpertWeights, kernel_spec
 from .workspace import arrivals_elements, gemm_out_elements, gemm_view
@@ -75,12 +76,20 @@ DECODE_FAMILIES = [  # (up to this many slots per expert, tile): each won some G
         (4, 4, False), (2, 4, False), (4, 2, False), (2, 2, False), (4, 1, False), (4, 4, True), (4, 2, True))]
 
 
+def heuristic_tiles(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTile]:
+    """The untuned choice for the GEMM of reduction length `k`: a candidate of every
+    tuning, so that an entry is never one the heuristic beats (on the H200 the heuristic's
+    Mixtral M = 256 pair, gemm2 with a K split, beat the entry the families gave by 7.5 %)."""
+    heuristic = heuristic_backend(config, num_tokens, kernel_spec(config))
+    return [heuristic.gemm1] if k == config.hidden_size else [heuristic.gemm2]
+
+
 def candidate_tiles(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTile]:
     """Tiles worth timing for `num_tokens` tokens and reduction length `k` (some may not
-    fit a layout or shared memory: `tune` skips those)."""
+    fit a layout or shared memory: `tune` skips those): the heuristic's and the families'."""
     per_expert = num_tokens * config.top_k / config.num_local_experts
     slabs = -(-k // SLAB_K)
-    tiles = []
+    tiles = heuristic_tiles(num_tokens, config, k)
     for up_to, decode in DECODE_FAMILIES:
         if per_expert <= up_to:
             for split_k in (1, 2, 4, 8):
@@ -122,7 +131,7 @@ def refine_candidates(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTi
     fused_reduction flipped, where it can finish the activation), with a stage more and
     one fewer, and with half and twice the slabs per stage: minutes instead of a
     full tuning's tens of minutes, to re-check saved entries after a kernel or an option
-    changes."""
+    changes. The heuristic's tile comes last (`heuristic_tiles`)."""
     backend = select_backend(config, num_tokens, kernel_spec(config))
     tiles = []
     for tile, tile_k, first in ((backend.gemm1, config.hidden_size, True), (backend.gemm2, config.intermediate_size, False)):
@@ -143,7 +152,7 @@ def refine_candidates(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTi
                           if stages >= 2]
                 tiles += [attrs.evolve(tile, slabs_per_warp=depth)
                           for depth in (tile.slabs_per_warp // 2, tile.slabs_per_warp * 2) if depth >= 1]
-    return tiles
+    return list(dict.fromkeys(tiles + heuristic_tiles(num_tokens, config, k)))
 
 
 class ProgressBar:

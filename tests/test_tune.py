@@ -123,6 +123,24 @@ def test_candidates_are_valid_tiles_of_the_right_family(tokens):
     assert not any(t.pairs_warps for t in candidate_tiles(tokens, qwen3, 768) if not t.a_in_shared)
 
 
+def test_the_heuristics_tiles_are_candidates_of_every_tuning(empty_tuned_dir):
+    """A tuned entry must beat the untuned choice to replace it: on the H200 Mixtral's
+    M = 256 gemm2 with the heuristic's K split was no family's tile, and the tuned pair
+    lost to the heuristic's by 7.5 %."""
+    mixtral = MoEConfig(num_experts=8, top_k=2, hidden_size=4096, intermediate_size=14336)
+    spec = kernel_spec(mixtral)
+    for tokens in (1, 256, 4096):
+        heuristic = moe.oracle.heuristic_backend(mixtral, tokens, spec)
+        for tile, k in ((heuristic.gemm1, mixtral.hidden_size), (heuristic.gemm2, mixtral.intermediate_size)):
+            assert tile in candidate_tiles(tokens, mixtral, k)
+            assert tile in refine_candidates(tokens, mixtral, k)
+    assert moe.oracle.heuristic_backend(mixtral, 256, spec).gemm2.split_k == 2
+    tuned = Backend(16, SLOW, FAST)  # a saved entry unlike the heuristic: refine times both
+    save(mixtral, {256: tuned})
+    tiles = refine_candidates(256, mixtral, mixtral.intermediate_size)
+    assert tiles[0] == FAST and tiles[-1] == moe.oracle.heuristic_backend(mixtral, 256, spec).gemm2
+
+
 def test_progress_bar_counts_to_the_total():
     stream = io.StringIO()
     bar = ProgressBar(3, "M=1", stream=stream, width=6)
