@@ -18,8 +18,9 @@ with the L2 cache flushed before every run, the median of many runs of:
 
 at M <= 16 each kernel of the layer alone (a CUDA graph per kernel: where the time beyond
 the GEMMs goes), and at M = 1 the eager layer from Python (host-bound): replayed launches
-(the default) and ordinary Numba launches, per forward and per launch (wall time, median
-of five rounds of 100 forwards). The floor of the
+(the default) and ordinary Numba launches, per forward: wall time and the host's time
+until the last call returns, per forward and per kernel (median of five rounds of 100
+forwards). The floor of the
 two GEMMs is max(bytes of the touched experts' weights / copy bandwidth, flops / bf16
 matmul rate), both ceilings measured in the same run. Weights are random
 bits written straight into the kernel layout (timing does not depend on their values;
@@ -255,31 +256,36 @@ def kernel_times(layer, hidden, logits, timer) -> list:
 
 
 def eager_host(layer, hidden, logits) -> dict:
-    """The eager layer: wall time per forward from Python, replayed (the default: launches
-    recorded on the first call) and with ordinary Numba launches (what a hook forces)."""
-    def wall_ms(repeats: int = 100, rounds: int = 5) -> float:
-        """Median over `rounds` of the mean of `repeats` calls: one round alone caught a
-        host hiccup that doubled the figure (Qwen3 M = 1 on the H200 host: 69 against 35 us)."""
+    """The eager layer from Python, replayed (the default: launches recorded on the first
+    call) and with ordinary Numba launches (what a hook forces): wall time per forward, and
+    the host's share of it, the time until the last call returns (the GPU's queue takes 100
+    forwards without blocking)."""
+    def timed(repeats: int = 100, rounds: int = 5) -> tuple[float, float]:
+        """(wall ms, host ms) per forward, each the median over `rounds` of the mean of
+        `repeats` calls: one round alone caught a host hiccup that doubled the figure (Qwen3
+        M = 1 on the H200 host: 69 against 35 us)."""
         for _ in range(5):
             layer(hidden, logits)
-        times = []
+        walls, hosts = [], []
         for _ in range(rounds):
             torch.cuda.synchronize()
             start = time.perf_counter()
             for _ in range(repeats):
                 layer(hidden, logits)
+            issued = time.perf_counter()
             torch.cuda.synchronize()
-            times.append((time.perf_counter() - start) * 1e3 / repeats)
-        return statistics.median(times)
+            walls.append((time.perf_counter() - start) * 1e3 / repeats)
+            hosts.append((issued - start) * 1e3 / repeats)
+        return statistics.median(walls), statistics.median(hosts)
 
-    replayed_ms = wall_ms()
+    replayed_ms, host_ms = timed()
     layer.hooks = MoEHooks()  # any hooks object turns the replay off
     with recording() as calls:
         layer(hidden, logits)
-    ordinary_ms = wall_ms()
+    ordinary_ms, _ = timed()
     layer.hooks = None
     launches = len(calls)
-    return dict(eager_layer_ms=replayed_ms, host_us_per_launch=replayed_ms * 1e3 / launches,
+    return dict(eager_layer_ms=replayed_ms, eager_host_us=host_ms * 1e3, host_us_per_launch=host_ms * 1e3 / launches,
                 eager_ordinary_ms=ordinary_ms, ordinary_us_per_launch=ordinary_ms * 1e3 / launches, launches=launches)
 
 
@@ -319,8 +325,9 @@ def main(argv=None) -> None:
                       f"gemm {row['gemm_ms']:.4f} ms  layer {row['layer_ms']:.4f} ms  floor {row['floor_ms']:.4f} ms "
                       f"({row['fraction_of_floor']:.2f})  torch {row['torch_ms']:.4f} ms  grouped_mm "
                       f"{row['grouped_mm_ms'] or float('nan'):.4f} ms"
-                      + (f"  eager {row['eager_layer_ms']:.3f} ms ({row['host_us_per_launch']:.0f} us/launch, "
-                         f"{row['eager_over_layer']:.2f}x the graph; ordinary launches {row['eager_ordinary_ms']:.3f} ms)"
+                      + (f"  eager {row['eager_layer_ms']:.3f} ms (host {row['eager_host_us']:.1f} us for "
+                         f"{row['launches']} kernels, {row['eager_over_layer']:.2f}x the graph; ordinary launches "
+                         f"{row['eager_ordinary_ms']:.3f} ms)"
                          if tokens == 1 else "")
                       + (f"\n    GEMMs writing partials only {row['gemm_plain_ms']:.4f} ms; plain reads of their bytes "
                          f"{row['read_ms']:.4f} ms (GEMMs {row['gemm_ms'] / row['read_ms']:.2f}x); per kernel (us): "

@@ -7,7 +7,10 @@ as usual inside `launch.recording()`, and the recorded launches become a `Progra
 `Launcher`s with their parameters packed, plus a note of every array argument that reads
 one of the call's inputs. Later forwards of that kind re-point those arguments at the new
 inputs and launch; the workspace's buffers, the weights and the tile choice are the
-recorded ones, so nothing is validated, chosen or converted again.
+recorded ones, so nothing is validated, chosen or converted again. On the GPU the
+launches are also captured into one CUDA graph (`launch.GraphReplay`): a replay is then a
+parameter update for each kernel that reads an input and one graph launch, the host time
+of about one launch instead of one per kernel.
 
 An argument "reads an input" when its data pointer is the input's. To keep that
 unambiguous the recording runs on private copies of inputs that share memory with each
@@ -25,24 +28,28 @@ from typing import Callable, Sequence
 import attrs
 import torch
 
-from numba_kernels.launch import Launcher, LeanLaunchUnavailable, Replay, data_pointer, is_array, recording
+from numba_kernels.launch import (GraphReplay, Launcher, LeanLaunchUnavailable, Replay, data_pointer, is_array,
+                                  recording)
 from numba_kernels.ptx import SIMULATED
 
 
 @attrs.frozen(eq=False)
 class Program:
-    """Recorded launches and where each input goes: (launcher, argument, input) triples."""
+    """Recorded launches and where each input goes: (launcher, argument, input) triples.
+    `graph`: the same launches as one CUDA graph (`launch.GraphReplay`), where the GPU
+    takes them so; else each call launches them one by one."""
 
     launches: Replay
     bindings: tuple[tuple[int, int, int], ...]
     output: torch.Tensor
+    graph: GraphReplay | None = None
 
     def replay(self, inputs: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """Launch again with `inputs` (laid out like the recorded ones) in their places."""
         launchers = self.launches.launchers
         for launcher, argument, position in self.bindings:
             launchers[launcher].rebind(argument, inputs[position])
-        self.launches()
+        (self.graph or self.launches)()
         return self.output
 
 
@@ -109,7 +116,12 @@ def _program(calls, inputs, output) -> Program:
     if unused:
         raise AssertionError(f"inputs {sorted(unused)} reach no kernel argument at their first element; "
                              "a wrapper passes an offset view, which replay cannot re-point")
-    return Program(Replay(tuple(Launcher(call) for call in calls)), tuple(bindings), output)
+    launches = Replay(tuple(Launcher(call) for call in calls))
+    try:
+        graph = GraphReplay(launches, rebound=[launcher for launcher, _, _ in bindings])
+    except LeanLaunchUnavailable:
+        graph = None  # the simulator, or a driver that will not capture these launches
+    return Program(launches, tuple(bindings), output, graph)
 
 
 class ProgramCache:

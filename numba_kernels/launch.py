@@ -14,6 +14,8 @@ and afterwards replays them with `Launcher.launch`: one `cuLaunchKernelEx` with 
 buffer packed at record time. Arguments that change between calls (the user's inputs)
 are re-pointed in place with `Launcher.rebind`. `replaying(fn)` records a function's
 launches and returns them as one callable `Replay`: what `moe.tune` and the benchmark time.
+`GraphReplay` captures a `Replay` into one CUDA graph, launched by one driver call, with
+the nodes of rebound launches re-pointed before it: the eager layer's path on the GPU.
 
 A kernel whose wrapper launches it with `waits=True` calls `ptx.wait_for_previous`
 before it touches what earlier kernels wrote. A `Launcher` launches such a kernel
@@ -43,6 +45,7 @@ import ctypes
 import functools
 import os
 import threading
+import weakref
 
 import attrs
 import numpy as np
@@ -262,6 +265,108 @@ class Replay:
         stream = interop.launch_stream_handle()
         for launcher in self.launchers:
             launcher.launch(stream)
+
+
+class GraphReplay:
+    """A `Replay`'s launches as one CUDA graph, launched by one `cuGraphLaunch`.
+
+    The eager decode layer is host-bound where its kernels are short: at Qwen3 M = 1 four
+    replayed launches cost 26 to 42 us of host time (6.6 to 10.5 us each, depending on the
+    host) against 21 us on the GPU (BENCHMARKS.md). So the launches are captured once,
+    on a stream of their own, into a graph (an early launch becomes a programmatic edge, as
+    when torch captures the layer), and a call launches the graph: the launchers listed in
+    `rebound`, whose arrays the caller re-points between calls (`Launcher.rebind`), first
+    get their kernel node's parameters set again from their packed buffer. The others keep
+    what the capture packed, as a `Replay` does.
+
+    Inside a stream capture (a caller recording the layer into a graph of its own) the
+    call launches the kernels one by one instead, so that they become nodes of that graph.
+    Raises `LeanLaunchUnavailable` under the simulator or if the driver refuses a step.
+    """
+
+    def __init__(self, replay: Replay, rebound=()):
+        if SIMULATED:
+            raise LeanLaunchUnavailable("CUDA graphs need the GPU")
+        if torch.cuda.is_current_stream_capturing():
+            raise LeanLaunchUnavailable("a graph of the launches is not captured inside another capture")
+        from cuda.bindings import driver
+
+        self.replay, self._driver = replay, driver
+        launchers = replay.launchers
+        handle = _capture_stream(torch.cuda.current_device()).cuda_stream
+        stream = _driver_stream(handle)
+        mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        _driver_call(driver.cuStreamBeginCapture(stream, mode), "beginning a stream capture")
+        nodes, failure = [], None
+        try:
+            for launcher in launchers:  # each launch's node: what the next one would depend on
+                launcher.launch(handle)
+                captured = _driver_call(driver.cuStreamGetCaptureInfo(stream), "reading the capture")
+                dependencies, count = captured[3], captured[-1]  # status, id, graph, nodes, [edges,] count
+                if count != 1:
+                    raise LeanLaunchUnavailable(f"a captured launch left {count} nodes to depend on, not 1")
+                nodes.append(dependencies[0])
+        except RuntimeError as error:  # LeanLaunchUnavailable too: the capture must end all the same
+            failure = error
+        (graph,) = _driver_call(driver.cuStreamEndCapture(stream), "ending the stream capture")
+        if failure is None:
+            try:
+                (graph_exec,) = _driver_call(driver.cuGraphInstantiate(graph, 0), "instantiating the graph")
+            except LeanLaunchUnavailable as error:
+                failure = error
+        if failure is not None:
+            driver.cuGraphDestroy(graph)
+            raise LeanLaunchUnavailable(f"the launches cannot be captured into a graph: {failure}") from failure
+        weakref.finalize(self, _destroy_graph, driver, graph, graph_exec)
+        self._exec = graph_exec
+        self._updates = tuple((nodes[index], _node_parameters(driver, launchers[index]))
+                              for index in sorted(set(rebound)))
+
+    def __call__(self) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            self.replay()
+            return
+        driver = self._driver
+        for node, parameters in self._updates:
+            (error,) = driver.cuGraphExecKernelNodeSetParams(self._exec, node, parameters)
+            if error != driver.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"re-pointing a graph's kernel node failed: {error}")
+        (error,) = driver.cuGraphLaunch(self._exec, _driver_stream(interop.launch_stream_handle()))
+        if error != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"launching a replay's graph failed: {error}")
+
+
+def _driver_call(result: tuple, what: str) -> tuple:
+    """The values a cuda.bindings call returned after its error code, or LeanLaunchUnavailable."""
+    from cuda.bindings import driver
+
+    if result[0] != driver.CUresult.CUDA_SUCCESS:
+        raise LeanLaunchUnavailable(f"{what} failed: {result[0]}")
+    return result[1:]
+
+
+@functools.cache
+def _capture_stream(device: int) -> torch.cuda.Stream:
+    """A stream of `device` that only ever captures (no work runs on it), kept for the process."""
+    return torch.cuda.Stream(device)
+
+
+def _node_parameters(driver, launcher: Launcher):
+    """The kernel node parameters of `launcher`'s launch: its function, shape and packed
+    buffer, which `rebind` updates in place (the driver copies it at each update)."""
+    parameters = driver.CUDA_KERNEL_NODE_PARAMS()
+    parameters.func = launcher._function
+    parameters.gridDimX, parameters.gridDimY, parameters.gridDimZ = launcher.grid
+    parameters.blockDimX, parameters.blockDimY, parameters.blockDimZ = launcher.block
+    parameters.sharedMemBytes = launcher.shared_bytes
+    parameters.kernelParams = launcher._params_address
+    parameters.extra = 0
+    return parameters
+
+
+def _destroy_graph(driver, graph, graph_exec) -> None:
+    driver.cuGraphExecDestroy(graph_exec)
+    driver.cuGraphDestroy(graph)
 
 
 def replaying(fn) -> Replay:

@@ -9,7 +9,7 @@ import torch
 from numba import cuda, float32
 
 from numba_kernels import interop, launch, ptx
-from numba_kernels.launch import Launcher, launch_kernel, recording
+from numba_kernels.launch import GraphReplay, Launcher, LeanLaunchUnavailable, Replay, launch_kernel, recording
 
 
 @ptx.kernel
@@ -182,6 +182,43 @@ def test_an_early_launched_kernel_waits_for_the_kernel_before_it(where):
             graph.replay()
         torch.cuda.synchronize()
         assert torch.all(result == value + 1.0), f"read {result.unique().tolist()}"
+
+
+@pytest.mark.gpu
+def test_a_graph_replay_reads_rebound_arrays_and_keeps_its_early_launch_waiting():
+    """`GraphReplay`: the producer's node takes each call's rebound value, the early-launched
+    consumer still waits for it (a programmatic edge of the graph), and inside a caller's
+    own capture the kernels become nodes of that graph instead."""
+    n = 4096
+    data, result, value_in = torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda"), torch.ones(1, device="cuda")
+    to = interop.to_kernel
+    with recording() as calls:
+        launch_kernel(_slow_producer, n // 128, 128, to(data), to(value_in))
+        launch_kernel(_early_consumer, n // 128, 128, to(data), to(result), waits=True)
+    replay = Replay(tuple(Launcher(call) for call in calls))
+    graph = GraphReplay(replay, rebound=[0])
+    for value in (2.0, 3.0):
+        value_now = torch.full((1,), value, device="cuda")
+        replay.launchers[0].rebind(1, value_now)
+        data.zero_()
+        graph()
+        torch.cuda.synchronize()
+        assert torch.all(result == value + 1.0), f"read {result.unique().tolist()}"
+    outer = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(outer):
+        graph()
+    for value in (4.0, 5.0):
+        value_now.fill_(value)
+        data.zero_()
+        outer.replay()
+        torch.cuda.synchronize()
+        assert torch.all(result == value + 1.0), f"read {result.unique().tolist()}"
+
+
+@pytest.mark.skipif(not ptx.SIMULATED, reason="under the simulator only")
+def test_a_graph_replay_needs_the_gpu():
+    with pytest.raises(LeanLaunchUnavailable, match="need the GPU"):
+        GraphReplay(Replay(()))
 
 
 def test_a_kernel_gets_more_than_48_kb_of_dynamic_shared_memory_launched_or_replayed():

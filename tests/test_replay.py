@@ -10,6 +10,7 @@ import torch
 
 from moe import MoEConfig, MoEHooks, QuantScheme, replay
 from moe.reference import reference_moe
+from numba_kernels import ptx
 from numba_kernels.launch import Replay
 from test_moe import DEVICE, TINY, _inputs, _layer, _relative_error
 
@@ -31,6 +32,8 @@ def test_replays_read_the_new_logits_bias_and_hidden_states():
         expected = _expected(config, checkpoint, hidden, router_logits=logits, correction_bias=bias)
         assert _relative_error(out, expected) < 2e-2
         assert len(layer.workspace.programs) == 1
+    (_, program), = layer.workspace.programs._entries.values()
+    assert (program.graph is None) == ptx.SIMULATED  # on the GPU a replay is one graph launch
 
 
 def test_replays_read_a_new_given_top_k():
