@@ -149,6 +149,18 @@ def _early_consumer(source, out):
         out[i] = source[i] + 1.0
 
 
+def _producer_and_consumer(n: int = 4096):
+    """(data, result, value_in, the two recorded calls): `_slow_producer` writes value_in[0]
+    to data, then `_early_consumer`, launched early, writes data + 1 to result."""
+    data, result, value_in = torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda"), torch.ones(1, device="cuda")
+    to = interop.to_kernel
+    with recording() as calls:
+        launch_kernel(_slow_producer, n // 128, 128, to(data), to(value_in))
+        launch_kernel(_early_consumer, n // 128, 128, to(data), to(result), waits=True)
+    torch.cuda.synchronize()
+    return data, result, value_in, calls
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("where", ["stream", "streams", "graph"])
 def test_an_early_launched_kernel_waits_for_the_kernel_before_it(where):
@@ -157,13 +169,7 @@ def test_an_early_launched_kernel_waits_for_the_kernel_before_it(where):
     stream, on a stream that changes between launches (the early launch keeps its stream
     in its configuration), and from a CUDA graph. Without the wait the consumer reads the
     producer's old values."""
-    n = 4096
-    data, result, value_in = torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda"), torch.ones(1, device="cuda")
-    to = interop.to_kernel
-    with recording() as calls:
-        launch_kernel(_slow_producer, n // 128, 128, to(data), to(value_in))
-        launch_kernel(_early_consumer, n // 128, 128, to(data), to(result), waits=True)
-    torch.cuda.synchronize()
+    data, result, value_in, calls = _producer_and_consumer()
     producer, consumer = (Launcher(call) for call in calls)
     assert consumer.early == (ptx.hopper() and launch.EARLY_LAUNCH) and not producer.early
     side = torch.cuda.Stream()
@@ -189,12 +195,7 @@ def test_a_graph_replay_reads_rebound_arrays_and_keeps_its_early_launch_waiting(
     """`GraphReplay`: the producer's node takes each call's rebound value, the early-launched
     consumer still waits for it (a programmatic edge of the graph), and inside a caller's
     own capture the kernels become nodes of that graph instead."""
-    n = 4096
-    data, result, value_in = torch.zeros(n, device="cuda"), torch.zeros(n, device="cuda"), torch.ones(1, device="cuda")
-    to = interop.to_kernel
-    with recording() as calls:
-        launch_kernel(_slow_producer, n // 128, 128, to(data), to(value_in))
-        launch_kernel(_early_consumer, n // 128, 128, to(data), to(result), waits=True)
+    data, result, _, calls = _producer_and_consumer()
     replay = Replay(tuple(Launcher(call) for call in calls))
     graph = GraphReplay(replay, rebound=[0])
     for value in (2.0, 3.0):
