@@ -270,9 +270,9 @@ class Replay:
 class GraphReplay:
     """A `Replay`'s launches as one CUDA graph, launched by one `cuGraphLaunch`.
 
-    The eager decode layer is host-bound where its kernels are short: at Qwen3 M = 1 four
-    replayed launches cost 26 to 42 us of host time (6.6 to 10.5 us each, depending on the
-    host) against 21 us on the GPU (BENCHMARKS.md). So the launches are captured once,
+    The eager decode layer is host-bound where its kernels are short: at Qwen3 M = 1 its
+    four replayed launches took 26 to 42 us a forward (6.6 to 10.5 us a launch, depending
+    on the host) against 21 us on the GPU (BENCHMARKS.md). So the launches are captured once,
     on a stream of their own, into a graph (an early launch becomes a programmatic edge, as
     when torch captures the layer), and a call launches the graph: the launchers listed in
     `rebound`, whose arrays the caller re-points between calls (`Launcher.rebind`), first
