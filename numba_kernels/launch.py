@@ -309,28 +309,35 @@ class GraphReplay:
         except RuntimeError as error:  # LeanLaunchUnavailable too: the capture must end all the same
             failure = error
         (graph,) = _driver_call(driver.cuStreamEndCapture(stream), "ending the stream capture")
+        graph_exec = None
         if failure is None:
             try:
                 (graph_exec,) = _driver_call(driver.cuGraphInstantiate(graph, 0), "instantiating the graph")
+                self._updates = tuple((nodes[index], _node_parameters(driver, nodes[index], launchers[index]))
+                                      for index in sorted(set(rebound)))
+                self._update(graph_exec)  # a driver that refuses updates refuses now, not mid-forward
             except LeanLaunchUnavailable as error:
                 failure = error
         if failure is not None:
+            if graph_exec is not None:
+                driver.cuGraphExecDestroy(graph_exec)
             driver.cuGraphDestroy(graph)
             raise LeanLaunchUnavailable(f"the launches cannot be captured into a graph: {failure}") from failure
         weakref.finalize(self, _destroy_graph, driver, graph, graph_exec)
         self._exec = graph_exec
-        self._updates = tuple((nodes[index], _node_parameters(driver, launchers[index]))
-                              for index in sorted(set(rebound)))
+
+    def _update(self, graph_exec) -> None:
+        """Copy the rebound launchers' packed buffers into their nodes of `graph_exec`."""
+        for node, parameters in self._updates:
+            _driver_call(self._driver.cuGraphExecKernelNodeSetParams(graph_exec, node, parameters),
+                         "re-pointing a graph's kernel node")
 
     def __call__(self) -> None:
         if torch.cuda.is_current_stream_capturing():
             self.replay()
             return
         driver = self._driver
-        for node, parameters in self._updates:
-            (error,) = driver.cuGraphExecKernelNodeSetParams(self._exec, node, parameters)
-            if error != driver.CUresult.CUDA_SUCCESS:
-                raise RuntimeError(f"re-pointing a graph's kernel node failed: {error}")
+        self._update(self._exec)
         (error,) = driver.cuGraphLaunch(self._exec, _driver_stream(interop.launch_stream_handle()))
         if error != driver.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"launching a replay's graph failed: {error}")
@@ -351,16 +358,14 @@ def _capture_stream(device: int) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
-def _node_parameters(driver, launcher: Launcher):
-    """The kernel node parameters of `launcher`'s launch: its function, shape and packed
-    buffer, which `rebind` updates in place (the driver copies it at each update)."""
-    parameters = driver.CUDA_KERNEL_NODE_PARAMS()
-    parameters.func = launcher._function
-    parameters.gridDimX, parameters.gridDimY, parameters.gridDimZ = launcher.grid
-    parameters.blockDimX, parameters.blockDimY, parameters.blockDimZ = launcher.block
-    parameters.sharedMemBytes = launcher.shared_bytes
+def _node_parameters(driver, node, launcher: Launcher):
+    """`node`'s kernel parameters as captured, pointed at `launcher`'s packed buffer, which
+    `rebind` updates in place (the driver copies it at each update). Read from the node,
+    not rebuilt: the node names the kernel by its per-context function and its library
+    kernel, and an update must name it the same way (the library kernel alone, what
+    Numba hands out as its function, is refused as an invalid handle)."""
+    (parameters,) = _driver_call(driver.cuGraphKernelNodeGetParams(node), "reading a kernel node")
     parameters.kernelParams = launcher._params_address
-    parameters.extra = 0
     return parameters
 
 
