@@ -17,10 +17,10 @@ with the L2 cache flushed before every run, the median of many runs of:
 * grouped_mm_ms: torch._grouped_mm on bf16 experts (CUTLASS tensor cores), for comparison;
 
 at M <= 16 each kernel of the layer alone (a CUDA graph per kernel: where the time beyond
-the GEMMs goes), and at M = 1 the eager layer from Python (host-bound): replayed launches
-(the default) and ordinary Numba launches, per forward: wall time and the host's time
-until the last call returns, per forward and per kernel (median of five rounds of 100
-forwards). The floor of the
+the GEMMs goes), and at M = 1 the eager layer from Python: replayed (the default, one
+graph launch a forward) and with ordinary Numba launches, per forward: wall time and the
+host's time until the last call returns, per forward and per kernel (median of five
+rounds of 100 forwards; the L2 is not flushed between them). The floor of the
 two GEMMs is max(bytes of the touched experts' weights / copy bandwidth, flops / bf16
 matmul rate), both ceilings measured in the same run. Weights are random
 bits written straight into the kernel layout (timing does not depend on their values;
@@ -257,7 +257,7 @@ def kernel_times(layer, hidden, logits, timer) -> list:
 
 def eager_host(layer, hidden, logits) -> dict:
     """The eager layer from Python, replayed (the default: launches recorded on the first
-    call) and with ordinary Numba launches (what a hook forces): wall time per forward, and
+    call, then one CUDA graph launch a call) and with ordinary Numba launches (what a hook forces): wall time per forward, and
     the host's share of it, the time until the last call returns (the GPU's queue takes 100
     forwards without blocking)."""
     def timed(repeats: int = 100, rounds: int = 5) -> tuple[float, float]:
@@ -284,9 +284,9 @@ def eager_host(layer, hidden, logits) -> dict:
         layer(hidden, logits)
     ordinary_ms, _ = timed()
     layer.hooks = None
-    launches = len(calls)
-    return dict(eager_layer_ms=replayed_ms, eager_host_us=host_ms * 1e3, host_us_per_launch=host_ms * 1e3 / launches,
-                eager_ordinary_ms=ordinary_ms, ordinary_us_per_launch=ordinary_ms * 1e3 / launches, launches=launches)
+    kernels = len(calls)
+    return dict(eager_layer_ms=replayed_ms, eager_host_us=host_ms * 1e3, host_us_per_kernel=host_ms * 1e3 / kernels,
+                eager_ordinary_ms=ordinary_ms, ordinary_us_per_kernel=ordinary_ms * 1e3 / kernels, kernels=kernels)
 
 
 def main(argv=None) -> None:
@@ -326,7 +326,7 @@ def main(argv=None) -> None:
                       f"({row['fraction_of_floor']:.2f})  torch {row['torch_ms']:.4f} ms  grouped_mm "
                       f"{row['grouped_mm_ms'] or float('nan'):.4f} ms"
                       + (f"  eager {row['eager_layer_ms']:.3f} ms (host {row['eager_host_us']:.1f} us for "
-                         f"{row['launches']} kernels, {row['eager_over_layer']:.2f}x the graph; ordinary launches "
+                         f"{row['kernels']} kernels, {row['eager_over_layer']:.2f}x the graph; ordinary launches "
                          f"{row['eager_ordinary_ms']:.3f} ms)"
                          if tokens == 1 else "")
                       + (f"\n    GEMMs writing partials only {row['gemm_plain_ms']:.4f} ms; plain reads of their bytes "
