@@ -272,7 +272,8 @@ class GraphReplay:
 
     The eager decode layer is host-bound where its kernels are short: at Qwen3 M = 1 its
     four replayed launches took 26 to 42 us a forward (6.6 to 10.5 us a launch, depending
-    on the host) against 21 us on the GPU (BENCHMARKS.md). So the launches are captured once,
+    on the host) against 21 us on the GPU; as one graph, 15 us of host time (BENCHMARKS.md,
+    forty-ninth session), and the GPU sets the pace. So the launches are captured once,
     on a stream of their own, into a graph (an early launch becomes a programmatic edge, as
     when torch captures the layer), and a call launches the graph: the launchers listed in
     `rebound`, whose arrays the caller re-points between calls (`Launcher.rebind`), first
