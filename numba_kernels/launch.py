@@ -329,9 +329,11 @@ class GraphReplay:
 
     def _update(self, graph_exec) -> None:
         """Copy the rebound launchers' packed buffers into their nodes of `graph_exec`."""
+        driver = self._driver
         for node, parameters in self._updates:
-            _driver_call(self._driver.cuGraphExecKernelNodeSetParams(graph_exec, node, parameters),
-                         "re-pointing a graph's kernel node")
+            (error,) = driver.cuGraphExecKernelNodeSetParams(graph_exec, node, parameters)
+            if error != driver.CUresult.CUDA_SUCCESS:
+                raise LeanLaunchUnavailable(f"re-pointing a graph's kernel node failed: {error}")
 
     def __call__(self) -> None:
         if torch.cuda.is_current_stream_capturing():
