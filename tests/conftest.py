@@ -5,8 +5,11 @@ CUDA GPU (it must happen before numba is imported). On a GPU machine the real de
 used; everywhere else (CI) kernels run in the simulator and tests marked `gpu` are skipped.
 """
 
+import gc
+
 import numba_kernels  # noqa: F401  (selects the simulator before numba loads)
 import pytest
+import torch
 from hypothesis import HealthCheck, settings
 
 from numba_kernels.ptx import SIMULATED
@@ -26,3 +29,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _return_cached_gpu_memory():
+    """After each test on the GPU, hand the blocks torch's allocator keeps cached back to
+    the driver: `pytest -m gpu` runs sixteen workers on one card, and a worker that had
+    cached a DeepSeek layer's weights (several GB) kept them from the others (CUDA out of
+    memory in two runs of the forty-ninth session)."""
+    yield
+    if not SIMULATED:
+        gc.collect()  # a test's layers may sit in reference cycles until collected
+        torch.cuda.empty_cache()
