@@ -257,9 +257,9 @@ def kernel_times(layer, hidden, logits, timer) -> list:
 
 def eager_host(layer, hidden, logits) -> dict:
     """The eager layer from Python, replayed (the default: launches recorded on the first
-    call, then one CUDA graph launch a call) and with ordinary Numba launches (what a hook forces): wall time per forward, and
-    the host's share of it, the time until the last call returns (the GPU's queue takes 100
-    forwards without blocking)."""
+    call, then one CUDA graph launch a call) and with ordinary Numba launches (what a hook
+    forces): wall time per forward, and the host's share of it, the time until the last
+    call returns (the GPU's queue takes 100 forwards without blocking)."""
     def timed(repeats: int = 100, rounds: int = 5) -> tuple[float, float]:
         """(wall ms, host ms) per forward, each the median over `rounds` of the mean of
         `repeats` calls: one round alone caught a host hiccup that doubled the figure (Qwen3

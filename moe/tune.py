@@ -82,7 +82,8 @@ def heuristic_tiles(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTile
     Mixtral M = 256 pair, gemm2 with a K split, took 7 % less time than the entry the
     families gave)."""
     heuristic = heuristic_backend(config, num_tokens, kernel_spec(config))
-    return [heuristic.gemm1] if k == config.hidden_size else [heuristic.gemm2]
+    return list(dict.fromkeys(tile for tile, tile_k in ((heuristic.gemm1, config.hidden_size),
+                                                        (heuristic.gemm2, config.intermediate_size)) if tile_k == k))
 
 
 def candidate_tiles(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTile]:

@@ -314,9 +314,10 @@ class GraphReplay:
         if failure is None:
             try:
                 (graph_exec,) = _driver_call(driver.cuGraphInstantiate(graph, 0), "instantiating the graph")
-                self._updates = tuple((nodes[index], _node_parameters(driver, nodes[index], launchers[index]))
-                                      for index in sorted(set(rebound)))
-                self._update(graph_exec)  # a driver that refuses updates refuses now, not mid-forward
+                self._exec, self._updates = graph_exec, tuple(
+                    (nodes[index], _node_parameters(driver, nodes[index], launchers[index]))
+                    for index in sorted(set(rebound)))
+                self._update()  # a driver that refuses updates refuses now, not mid-forward
             except LeanLaunchUnavailable as error:
                 failure = error
         if failure is not None:
@@ -325,13 +326,12 @@ class GraphReplay:
             driver.cuGraphDestroy(graph)
             raise LeanLaunchUnavailable(f"the launches cannot be captured into a graph: {failure}") from failure
         weakref.finalize(self, _destroy_graph, driver, graph, graph_exec)
-        self._exec = graph_exec
 
-    def _update(self, graph_exec) -> None:
-        """Copy the rebound launchers' packed buffers into their nodes of `graph_exec`."""
+    def _update(self) -> None:
+        """Copy the rebound launchers' packed buffers into their nodes of the graph."""
         driver = self._driver
         for node, parameters in self._updates:
-            (error,) = driver.cuGraphExecKernelNodeSetParams(graph_exec, node, parameters)
+            (error,) = driver.cuGraphExecKernelNodeSetParams(self._exec, node, parameters)
             if error != driver.CUresult.CUDA_SUCCESS:
                 raise LeanLaunchUnavailable(f"re-pointing a graph's kernel node failed: {error}")
 
@@ -340,7 +340,7 @@ class GraphReplay:
             self.replay()
             return
         driver = self._driver
-        self._update(self._exec)
+        self._update()
         (error,) = driver.cuGraphLaunch(self._exec, _driver_stream(interop.launch_stream_handle()))
         if error != driver.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"launching a replay's graph failed: {error}")
