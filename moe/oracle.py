@@ -4,9 +4,9 @@ in the runner makes these choices.
 
 `select_backend(config, num_tokens, spec)` looks the shape up in the tuned configurations
 of this device (`moe/tuned/sm_<major><minor>/<device>.json`, written by `python -m
-moe.tune`), else in those another GPU of the same architecture measured (`tuned_entries`:
-an H100 takes the H200's tiles until it is tuned itself, rather than the untuned
-heuristic), and falls back to a heuristic:
+moe.tune`), topped up by those another GPU of the same architecture measured (`tuned_entries`:
+an H100 takes the H200's tiles for the token counts it has not tuned itself, rather than
+the untuned heuristic), and falls back to a heuristic:
 
 * decode (few tokens per expert): operands straight from global memory, 4 warps splitting
   K, batches of 2 slabs each (double buffered; 4 with swapped operands), and a K split
@@ -238,18 +238,22 @@ def tuned_tables(architecture: str) -> dict:
 
 
 def tuned_entries(config: MoEConfig, spec: QuantSpec) -> tuple[str | None, dict]:
-    """(device, {num_tokens: backend dict}): the tuned entries of this shape from this
-    device's own table, else from the first (by name) table of another GPU of the same
-    architecture that has the shape (tiles carry over within an architecture: the same
-    instructions, shared memory and registers per multiprocessor; only the best choice
-    may shift with bandwidth and multiprocessor count), else (None, {})."""
+    """(source, {num_tokens: backend dict}): the tuned entries of this shape from this
+    device's own table, topped up, token count by token count, by the first (by name)
+    table of another GPU of the same architecture that has the shape (tiles carry over
+    within an architecture: the same instructions, shared memory and registers per
+    multiprocessor; only the best choice may shift with bandwidth and multiprocessor
+    count, so a GPU re-tunes the counts where it differs and keeps its sibling's
+    elsewhere). `source` names the tables that gave entries, this device's first
+    ("NVIDIA_H100_80GB_HBM3 + NVIDIA_H200"); (None, {}) where none has the shape."""
     if not USE_TUNED:
         return None, {}
     tables, key, own = tuned_tables(device_architecture()), shape_key(config, spec), device_name()
-    for device in sorted(tables, key=lambda name: (name != own, name)):
-        if key in tables[device]:
-            return device, tables[device][key]
-    return None, {}
+    own_entries = tables.get(own, {}).get(key, {})
+    sibling = next((device for device in sorted(tables) if device != own and key in tables[device]), None)
+    topped_up = {m: entry for m, entry in (tables[sibling][key] if sibling else {}).items() if m not in own_entries}
+    sources = [own] * bool(own_entries) + [sibling] * bool(topped_up)
+    return (" + ".join(sources) or None), {**topped_up, **own_entries}
 
 
 def backend_from_dict(value: dict) -> Backend:

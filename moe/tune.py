@@ -129,9 +129,10 @@ def refine_candidates(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTi
     option flipped (steady_loop; fused_reduction when swapped) and with half and twice the
     warps along K (registers and waves change with it), gemm1's also as pairs of warps
     (`paired_decode`), any tile in the other CTA order
-    (chunks_first), and a prefill tile with trim_padding flipped (gemm1's also with
-    fused_reduction flipped, where it can finish the activation), with a stage more and
-    one fewer, and with half and twice the slabs per stage: minutes instead of a
+    (chunks_first), any tile with half, twice and four times its K split (`split_variants`), and a
+    prefill tile with trim_padding flipped (gemm1's also with fused_reduction flipped,
+    where it can finish the activation), with a stage more and one fewer, and with half
+    and twice the slabs per stage: minutes instead of a
     full tuning's tens of minutes, to re-check saved entries after a kernel or an option
     changes. The heuristic's tile comes last (`heuristic_tiles`)."""
     backend = select_backend(config, num_tokens, kernel_spec(config))
@@ -149,12 +150,27 @@ def refine_candidates(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTi
                 tiles += paired_decode(config, k, tile)
             if tile.trimmable:
                 tiles.append(attrs.evolve(tile, trim_padding=not tile.trim_padding))
+            tiles += split_variants(tile, tile_k)
             if tile.a_in_shared:  # the pipeline: a stage more or fewer, stages of twice or half the slabs
                 tiles += [attrs.evolve(tile, stages=stages) for stages in (tile.stages - 1, tile.stages + 1)
                           if stages >= 2]
                 tiles += [attrs.evolve(tile, slabs_per_warp=depth)
                           for depth in (tile.slabs_per_warp // 2, tile.slabs_per_warp * 2) if depth >= 1]
     return list(dict.fromkeys(tiles + heuristic_tiles(num_tokens, config, k)))
+
+
+def split_variants(tile: GemmTile, k: int) -> list[GemmTile]:
+    """`tile` with half, twice and four times its K split, where each split keeps a stage of slabs
+    (decode) or two (prefill, as `oracle.split_to_fill`) and the tile takes partials (a
+    tile of paired warps finishing the activation takes no split). A K split is what
+    fills the card where few token blocks meet few output chunks (Mixtral's gemm2 at M =
+    256: 12 blocks of 64 slots x 8 chunks of 512 features = 96 CTAs for 132
+    multiprocessors)."""
+    if tile.fused_reduction and tile.pairs_warps:
+        return []
+    slabs, stages = -(-k // SLAB_K), 2 if tile.a_in_shared else 1
+    return [attrs.evolve(tile, split_k=split) for split in (tile.split_k // 2, tile.split_k * 2, tile.split_k * 4)
+            if split >= 1 and slabs // (stages * split) >= tile.stage_slabs]
 
 
 class ProgressBar:

@@ -10,7 +10,7 @@ import moe.oracle
 import moe.tune
 from moe import MoEConfig, QuantScheme, select_backend
 from moe.oracle import Backend, activation_finishable
-from moe.tune import ProgressBar, candidate_tiles, paired_decode, refine_candidates, save, tune
+from moe.tune import ProgressBar, candidate_tiles, paired_decode, refine_candidates, save, split_variants, tune
 from moe.weights import kernel_spec
 from numba_kernels.gemm import GemmTile
 
@@ -62,20 +62,25 @@ def test_tuner_keeps_the_fastest_tiles_and_the_oracle_reads_them(empty_tuned_dir
 
 def test_a_device_without_a_table_takes_its_architecture_siblings(empty_tuned_dir, monkeypatch):
     """An untuned GPU (an H100) takes the entries another GPU of its architecture measured
-    (an H200's), shape by shape; its own entries win once it has them; NUMBA_MOE_TUNED=0
-    (`USE_TUNED`) leaves the heuristic."""
+    (an H200's), shape by shape; its own entries win, token count by token count, once it
+    has them; NUMBA_MOE_TUNED=0 (`USE_TUNED`) leaves the heuristic."""
     spec = kernel_spec(CONFIG)
     heuristic = select_backend(CONFIG, 2, spec)
     sibling, other = Backend(16, SLOW, FAST), Backend(16, FAST, SLOW)
     assert heuristic not in (sibling, other)
     save(CONFIG, {2: other}, device="Z_GPU")
-    save(CONFIG, {2: sibling}, device="A_GPU")  # two siblings: the first by name serves
+    save(CONFIG, {2: sibling, 8: sibling}, device="A_GPU")  # two siblings: the first by name serves
     save(attrs.evolve(CONFIG, hidden_size=64), {2: other}, device="0_GPU")  # a sibling without this shape
-    assert moe.oracle.tuned_entries(CONFIG, spec) == ("A_GPU", {"2": moe.oracle.backend_to_dict(sibling)})
+    as_dict = moe.oracle.backend_to_dict
+    assert moe.oracle.tuned_entries(CONFIG, spec) == ("A_GPU", {"2": as_dict(sibling), "8": as_dict(sibling)})
     assert select_backend(CONFIG, 2, spec) == sibling
-    save(CONFIG, {2: other})  # this device's own entry
-    assert moe.oracle.tuned_entries(CONFIG, spec)[0] == moe.oracle.device_name()
+    save(CONFIG, {2: other})  # this device's own entry for M = 2; the sibling's still serves M = 8
+    assert moe.oracle.tuned_entries(CONFIG, spec) == (f"{moe.oracle.device_name()} + A_GPU",
+                                                      {"2": as_dict(other), "8": as_dict(sibling)})
     assert select_backend(CONFIG, 2, spec) == other
+    assert select_backend(CONFIG, 8, spec) == sibling
+    save(CONFIG, {8: other})  # every count its own: the sibling no longer contributes
+    assert moe.oracle.tuned_entries(CONFIG, spec)[0] == moe.oracle.device_name()
     monkeypatch.setattr(moe.oracle, "USE_TUNED", False)
     assert moe.oracle.tuned_entries(CONFIG, spec) == (None, {})
     assert select_backend(CONFIG, 2, spec) == heuristic
@@ -158,6 +163,11 @@ def test_refine_times_the_current_choice_and_its_flipped_options(empty_tuned_dir
     assert paired == paired_decode(mixtral, mixtral.hidden_size, current) and len(paired) == 2
     assert all(t.warps_n == 2 and t.split_k == 1 and t.fused_reduction for t in paired)
     tiles = [t for t in tiles if not t.pairs_warps]
+    splits = [t for t in tiles if t.split_k != current.split_k]  # the K split halved, doubled, quadrupled
+    assert splits == split_variants(current, mixtral.hidden_size) == [
+        attrs.evolve(current, split_k=split) for split in (current.split_k // 2, current.split_k * 2,
+                                                           current.split_k * 4) if split >= 1]
+    tiles = [t for t in tiles if t not in splits]
     assert tiles[0] == current and len(set(tiles)) == len(tiles) == (6 if current.swap_ab else 5)
     assert {t.steady_loop for t in tiles} == {False, True}
     assert {t.chunks_first for t in tiles} == {False, True}
@@ -167,9 +177,12 @@ def test_refine_times_the_current_choice_and_its_flipped_options(empty_tuned_dir
     assert all(t.a_in_shared for t in prefill) and first.trimmable and len(set(prefill)) == len(prefill)
     assert prefill[1:3] == [attrs.evolve(first, chunks_first=not first.chunks_first),
                             attrs.evolve(first, trim_padding=not first.trim_padding)]
-    # and the pipeline a stage deeper or shallower (never below two), stages of twice or half the slabs
+    # then the K split (each split keeping two stages) ...
+    assert prefill[3:5] == split_variants(first, mixtral.intermediate_size) == [
+        attrs.evolve(first, split_k=split) for split in (2, 4)]
+    # ... and the pipeline a stage deeper or shallower (never below two), stages of twice or half the slabs
     depth, stages = first.slabs_per_warp, first.stages
-    assert {(t.slabs_per_warp, t.stages) for t in prefill[3:]} == (
+    assert {(t.slabs_per_warp, t.stages) for t in prefill[5:]} == (
         {(depth, stages + 1), (depth // 2, stages), (depth * 2, stages)} | ({(depth, stages - 1)} if stages > 2 else set()))
     gemm1 = refine_candidates(4096, mixtral, mixtral.hidden_size)  # also with the activation flipped
     assert gemm1[2] == attrs.evolve(gemm1[0], fused_reduction=not gemm1[0].fused_reduction)
