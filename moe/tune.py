@@ -128,13 +128,13 @@ def refine_candidates(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTi
     GEMM of reduction length `k` and, if it is a decode tile, that tile with each boolean
     option flipped (steady_loop; fused_reduction when swapped) and with half and twice the
     warps along K (registers and waves change with it), gemm1's also as pairs of warps
-    (`paired_decode`), any tile in the other CTA order
-    (chunks_first), any tile with half, twice and four times its K split (`split_variants`), and a
-    prefill tile with trim_padding flipped (gemm1's also with fused_reduction flipped,
-    where it can finish the activation), with a stage more and one fewer, and with half
-    and twice the slabs per stage: minutes instead of a
-    full tuning's tens of minutes, to re-check saved entries after a kernel or an option
-    changes. The heuristic's tile comes last (`heuristic_tiles`)."""
+    (`paired_decode`), any tile in the other CTA order (chunks_first) and with half, twice
+    and four times its K split (`split_variants`), and a prefill tile with trim_padding
+    flipped (gemm1's also with fused_reduction flipped, where it can finish the
+    activation), with a stage more and one fewer, and with half and twice the slabs per
+    stage: minutes instead of a full tuning's tens of minutes, to re-check saved entries
+    after a kernel or an option changes. The heuristic's tile comes last
+    (`heuristic_tiles`)."""
     backend = select_backend(config, num_tokens, kernel_spec(config))
     tiles = []
     for tile, tile_k, first in ((backend.gemm1, config.hidden_size, True), (backend.gemm2, config.intermediate_size, False)):
@@ -160,12 +160,11 @@ def refine_candidates(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTi
 
 
 def split_variants(tile: GemmTile, k: int) -> list[GemmTile]:
-    """`tile` with half, twice and four times its K split, where each split keeps a stage of slabs
-    (decode) or two (prefill, as `oracle.split_to_fill`) and the tile takes partials (a
-    tile of paired warps finishing the activation takes no split). A K split is what
-    fills the card where few token blocks meet few output chunks (Mixtral's gemm2 at M =
-    256: 12 blocks of 64 slots x 8 chunks of 512 features = 96 CTAs for 132
-    multiprocessors)."""
+    """`tile` with half, twice and four times its K split, where each split keeps a stage
+    of slabs (decode) or two (prefill, as `oracle.split_to_fill`); none for a tile of
+    paired warps finishing the activation (no partials). A split fills the card where few
+    token blocks meet few output chunks over a long K: Mixtral's gemm2 at M = 256 (K =
+    14336, some 320 CTAs of 4 warps) is split in four in the H100's refined entry."""
     if tile.fused_reduction and tile.pairs_warps:
         return []
     slabs, stages = -(-k // SLAB_K), 2 if tile.a_in_shared else 1
