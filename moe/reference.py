@@ -14,7 +14,7 @@ import attrs
 import numpy as np
 
 from layouts import E2M1, QuantSpec, Quantized
-from layouts.strategies import random_quantized
+from layouts.samples import random_quantized
 from numba_kernels.activation import reference_activate
 from numba_kernels.routing import reference_route
 

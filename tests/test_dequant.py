@@ -9,7 +9,8 @@ import torch
 from hypothesis import given
 
 from layouts import formats
-from layouts.strategies import random_quantized, spec_and_weight
+from layouts.samples import random_quantized
+from layouts.strategies import spec_and_weight
 from numba_kernels import interop
 from numba_kernels.dequant import dequantize, reference_dequantize
 from numba_kernels.twins import round_to_half_bits

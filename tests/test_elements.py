@@ -7,7 +7,8 @@ from hypothesis import given
 from numba import cuda
 
 from layouts import formats
-from layouts.strategies import random_quantized, spec_and_weight
+from layouts.samples import random_quantized
+from layouts.strategies import spec_and_weight
 from numba_kernels import ptx
 from numba_kernels.elements import element_reader, reference_values
 from numba_kernels.weights import KernelWeights

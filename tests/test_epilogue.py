@@ -8,7 +8,7 @@ import torch
 from fusing import SeparateReductions, fuse_every_tile
 
 from layouts import Quantized, formats
-from layouts.strategies import random_quantized
+from layouts.samples import random_quantized
 from moe import MoEConfig, MoEHooks, MoELayer, QuantScheme
 from moe.oracle import Backend, heuristic_backend
 from numba_kernels import interop

@@ -9,7 +9,8 @@ import torch
 from hypothesis import assume, given, settings, strategies as st
 
 from layouts import BitPack, Layout, Quantized, Tensor, Transpose, formats
-from layouts.strategies import random_quantized, spec_for
+from layouts.samples import random_quantized
+from layouts.strategies import spec_for
 from numba_kernels import interop
 from numba_kernels.align import moe_align_block_size
 from numba_kernels.fragments import (COPY_OFFSET_LIMIT, copy_offsets_fit, e2m1_moves, fast_path_supported, fragment_reader,

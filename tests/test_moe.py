@@ -3,6 +3,9 @@ function and the module share one path, LoRA hooks add B @ A per expert and adap
 expert-parallel ranks sum to the full layer, weights reload in place, and bad inputs fail
 before any kernel runs."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -191,3 +194,12 @@ def test_random_kernel_layout_weights_give_finite_outputs():
     hidden, logits = _inputs(config, 2)
     out = layer(hidden.to(DEVICE), logits.to(DEVICE))
     assert torch.isfinite(out.float()).all() and out.float().abs().max() > 0
+
+
+def test_the_main_job_needs_no_test_extra():
+    """`python -m moe` is the README's first command, run before the test extras are
+    installed: nothing it imports may need Hypothesis (the reference checkpoints once did,
+    through `layouts.strategies`; CI's machine had Hypothesis installed and ran it anyway)."""
+    imports = "import sys; sys.modules['hypothesis'] = None; import layouts, numba_kernels, moe, moe.__main__"
+    result = subprocess.run([sys.executable, "-c", imports], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -15,7 +15,8 @@ from numba import cuda
 import layouts
 from layouts import E2M1, FloatFormat, Quantized, Tensor, formats
 from layouts.encodings import e4m3_encode, ue5m3_encode
-from layouts.strategies import layout, quantized_for, random_quantized, spec_for, weight_shape
+from layouts.samples import random_quantized
+from layouts.strategies import layout, quantized_for, spec_for, weight_shape
 from numba_kernels import interop, ptx
 from numba_kernels.elements import encode_e4m3, encode_ue5m3
 from numba_kernels.repack import destination_tensors, reference_repack, repack

@@ -24,7 +24,7 @@ import numpy as np
 from .ptx_check import compile_kernel  # first: numba_kernels would pick the simulator without a GPU
 
 from layouts import QuantSpec, formats  # noqa: E402
-from layouts.strategies import random_quantized  # noqa: E402
+from layouts.samples import random_quantized  # noqa: E402
 from moe.oracle import DECODE_TILE, PREFILL_TILE, SWAPPED_DECODE_TILE, writes_partials  # noqa: E402
 from numba_kernels.activation import Activation  # noqa: E402
 from numba_kernels.epilogue import activation_kind, combine_kind  # noqa: E402
