@@ -1,7 +1,7 @@
 """The MoE runner: the layer equals its float64 definition for every checkpoint format, the
 function and the module share one path, LoRA hooks add B @ A per expert and adapter,
-expert-parallel ranks sum to the full layer, weights reload in place, and bad inputs fail
-before any kernel runs."""
+expert-parallel ranks sum to the full layer, weights reload in place, bad inputs fail
+before any kernel runs, and the main job needs no test extra."""
 
 import subprocess
 import sys
