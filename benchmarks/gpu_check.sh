@@ -14,8 +14,10 @@
 #   STEPS=tests TESTS="-m gpu tests/test_gpu_runner.py" bash benchmarks/gpu_check.sh
 #   STEPS=tests TESTS="-m gpu --ignore=tests/test_gpu_runner.py" bash benchmarks/gpu_check.sh
 set -o pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:$PWD || exit 1
+# The carried numpy wheel, once (per_gpu.sh installs it before starting several of these).
+[[ -d /tmp/site/numpy ]] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"

@@ -128,13 +128,13 @@ def refine_candidates(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTi
     GEMM of reduction length `k` and, if it is a decode tile, that tile with each boolean
     option flipped (steady_loop; fused_reduction when swapped) and with half and twice the
     warps along K (registers and waves change with it), gemm1's also as pairs of warps
-    (`paired_decode`), any tile in the other CTA order (chunks_first) and with half, twice
-    and four times its K split (`split_variants`), and a prefill tile with trim_padding
-    flipped (gemm1's also with fused_reduction flipped, where it can finish the
-    activation), with a stage more and one fewer, and with half and twice the slabs per
-    stage: minutes instead of a full tuning's tens of minutes, to re-check saved entries
-    after a kernel or an option changes. The heuristic's tile comes last
-    (`heuristic_tiles`)."""
+    (`paired_decode`), any tile in the other CTA order (chunks_first), with half, twice
+    and four times its K split (`split_variants`) and with half and twice its slabs per
+    warp (a decode batch, a prefill stage), and a prefill tile with trim_padding flipped
+    (gemm1's also with fused_reduction flipped, where it can finish the activation) and
+    with a stage more and one fewer: minutes instead of a full tuning's tens of minutes,
+    to re-check saved entries after a kernel or an option changes (or on another GPU).
+    The heuristic's tile comes last (`heuristic_tiles`)."""
     backend = select_backend(config, num_tokens, kernel_spec(config))
     tiles = []
     for tile, tile_k, first in ((backend.gemm1, config.hidden_size, True), (backend.gemm2, config.intermediate_size, False)):
@@ -151,11 +151,11 @@ def refine_candidates(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTi
             if tile.trimmable:
                 tiles.append(attrs.evolve(tile, trim_padding=not tile.trim_padding))
             tiles += split_variants(tile, tile_k)
-            if tile.a_in_shared:  # the pipeline: a stage more or fewer, stages of twice or half the slabs
+            if tile.a_in_shared:  # the pipeline: a stage more or fewer
                 tiles += [attrs.evolve(tile, stages=stages) for stages in (tile.stages - 1, tile.stages + 1)
                           if stages >= 2]
-                tiles += [attrs.evolve(tile, slabs_per_warp=depth)
-                          for depth in (tile.slabs_per_warp // 2, tile.slabs_per_warp * 2) if depth >= 1]
+            tiles += [attrs.evolve(tile, slabs_per_warp=depth)  # loads in flight: half or twice the slabs a batch
+                      for depth in (tile.slabs_per_warp // 2, tile.slabs_per_warp * 2) if depth >= 1]
     return list(dict.fromkeys(tiles + heuristic_tiles(num_tokens, config, k)))
 
 

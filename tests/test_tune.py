@@ -168,6 +168,10 @@ def test_refine_times_the_current_choice_and_its_flipped_options(empty_tuned_dir
         attrs.evolve(current, split_k=split) for split in (current.split_k // 2, current.split_k * 2,
                                                            current.split_k * 4) if split >= 1]
     tiles = [t for t in tiles if t not in splits]
+    depths = [t for t in tiles if t.slabs_per_warp != current.slabs_per_warp]  # half and twice the batch
+    assert {t.slabs_per_warp for t in depths} == {current.slabs_per_warp // 2, current.slabs_per_warp * 2} - {0}
+    assert all(attrs.evolve(t, slabs_per_warp=current.slabs_per_warp) == current for t in depths)
+    tiles = [t for t in tiles if t not in depths]
     assert tiles[0] == current and len(set(tiles)) == len(tiles) == (6 if current.swap_ab else 5)
     assert {t.steady_loop for t in tiles} == {False, True}
     assert {t.chunks_first for t in tiles} == {False, True}
