@@ -13,11 +13,9 @@
 # An 80 GB card gets 7 workers (below): split the suite over two calls there, e.g.
 #   STEPS=tests TESTS="-m gpu tests/test_gpu_runner.py" bash benchmarks/gpu_check.sh
 #   STEPS=tests TESTS="-m gpu --ignore=tests/test_gpu_runner.py" bash benchmarks/gpu_check.sh
+# or, on a machine of several cards, side by side in one call (benchmarks/per_gpu.sh).
 set -o pipefail
-# The carried numpy wheel, once (per_gpu.sh installs it before starting several of these).
-[[ -d /tmp/site/numpy ]] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
+source benchmarks/device_env.sh || exit 1
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/device.txt"

@@ -11,24 +11,27 @@
 #     'STEPS=bench bash benchmarks/gpu_check.sh --shapes deepseek'
 # Each step writes under a folder of its own ($OUT/gpu<i>: gpu_check.sh names its logs the
 # same on every card); the folders come back packed in $OUT/steps.tar.gz (the device tool
-# returns at most 8 files).
+# returns at most 8 files). It fails if any step failed.
 set -o pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:$PWD || exit 1
+source benchmarks/device_env.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 cards=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
-if (( $# > cards )); then
-  echo "per_gpu.sh: $# steps but $cards cards" >&2
+if (( $# == 0 || $# > cards )); then
+  echo "per_gpu.sh: $# steps for $cards cards (one step a card, at least one)" >&2
   exit 2
 fi
-i=0
-for step in "$@"; do
+pids=()
+for (( i = 0; i < $#; i++ )); do
+  step=${@:i+1:1}
   mkdir -p "$OUT/gpu$i"
-  (CUDA_VISIBLE_DEVICES=$i OUT="$OUT/gpu$i" bash -c "$step" > "$OUT/job$i.log" 2>&1; echo "exit $?" >> "$OUT/job$i.log") &
-  i=$((i + 1))
+  (CUDA_VISIBLE_DEVICES=$i OUT="$OUT/gpu$i" bash -c "$step" > "$OUT/job$i.log" 2>&1; status=$?
+   echo "exit $status" >> "$OUT/job$i.log"; exit $status) &
+  pids+=($!)
 done
-wait
+failed=0
+for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
 for log in "$OUT"/job*.log; do
   echo "== $log"; tail -n 25 "$log"
 done
 tar -czf "$OUT/steps.tar.gz" -C "$OUT" $(cd "$OUT" && ls -d gpu*) && rm -rf "$OUT"/gpu*
+exit $failed

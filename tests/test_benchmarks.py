@@ -26,3 +26,42 @@ def test_imports(path, monkeypatch):
             assert callable(getattr(module, "main", None)), f"benchmarks/{path.name} runs as a script but has no main()"
     finally:
         sys.modules.pop(path.stem, None)
+
+
+def _run_per_gpu(tmp_path, steps, cards=2):
+    """benchmarks/per_gpu.sh from a copy of the device scripts (no carried wheel to
+    install), with an nvidia-smi that lists `cards` cards."""
+    import shutil
+    import subprocess
+
+    root = tmp_path / "repo"
+    (root / "benchmarks").mkdir(parents=True)
+    for name in ("per_gpu.sh", "device_env.sh"):
+        shutil.copy(BENCHMARKS / name, root / "benchmarks" / name)
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    smi = fake_bin / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n" + "".join(f"echo {i}\n" for i in range(cards)))
+    smi.chmod(0o755)
+    env = {"PATH": f"{fake_bin}:/usr/bin:/bin", "OUT": str(tmp_path / "out")}
+    return subprocess.run(["bash", "benchmarks/per_gpu.sh", *steps], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_per_gpu_runs_each_step_on_its_own_card(tmp_path):
+    import tarfile
+
+    done = _run_per_gpu(tmp_path, ['echo "card $CUDA_VISIBLE_DEVICES" > $OUT/seen.txt', "echo second; exit 3"])
+    assert done.returncode == 1, done.stderr  # the second step failed
+    out = tmp_path / "out"
+    assert (out / "job0.log").read_text().strip() == "exit 0"
+    assert (out / "job1.log").read_text().split() == ["second", "exit", "3"]
+    with tarfile.open(out / "steps.tar.gz") as packed:
+        assert packed.extractfile("gpu0/seen.txt").read() == b"card 0\n"
+        assert "gpu1" in packed.getnames()
+    assert sorted(path.name for path in out.iterdir()) == ["job0.log", "job1.log", "steps.tar.gz"]
+
+
+def test_per_gpu_refuses_more_steps_than_cards(tmp_path):
+    done = _run_per_gpu(tmp_path, ["true", "true", "true"], cards=2)
+    assert done.returncode == 2 and "3 steps for 2 cards" in done.stderr
