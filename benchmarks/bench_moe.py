@@ -26,7 +26,9 @@ matmul rate), both ceilings measured in the same run. Weights are random
 bits written straight into the kernel layout (timing does not depend on their values;
 correctness is the tests' job). Each row names the GPU whose tuned table chose its tiles
 (`tuned_on`: this one, another of its architecture, or None for the heuristic;
-NUMBA_MOE_TUNED=0 times the heuristic's tiles).
+NUMBA_MOE_TUNED=0 times the heuristic's tiles). A shape's rows are timed by token count,
+every format's at each count, so that no decode row follows a prefill row; the JSON lists
+them in the table's order.
 
     python benchmarks/bench_moe.py --json results.json [--shapes qwen3 mixtral] [--tokens 1 16]
 """
@@ -310,34 +312,47 @@ def main(argv=None) -> None:
     generator = torch.Generator(device="cuda").manual_seed(0)
     for shape in args.shapes:
         reference = TorchReference(MoEConfig(**SHAPES[shape]))
+        layers = {}  # format -> (layer, the GPU whose tuned table chose its tiles)
         for format_name in args.formats:
             config = MoEConfig(**SHAPES[shape], quant=FORMATS[format_name])
             layer = MoELayer(config, max_tokens=max(args.tokens))
             layer.weights.fill_random(seed=1)
-            tuned_on = tuned_entries(config, layer.weights.spec)[0]
-            print(f"{shape} {format_name}: tiles tuned on {tuned_on}" if tuned_on else
+            layers[format_name] = layer, tuned_entries(config, layer.weights.spec)[0]
+            print(f"{shape} {format_name}: tiles tuned on {layers[format_name][1]}" if layers[format_name][1] else
                   f"{shape} {format_name}: untuned (the oracle's heuristic)")
-            for tokens in args.tokens:
+        # Token counts outermost: every format's decode rows are timed before any prefill row,
+        # whose seconds of work can leave the card slower for a while (the fifty-first
+        # session's DeepSeek NVFP4 M = 1 took 0.0918 ms after the w4a16 rows, 0.0798 alone).
+        for tokens in sorted(args.tokens):
+            for format_name, (layer, tuned_on) in layers.items():
                 row = dict(shape=shape, format=format_name, tuned_on=tuned_on,
                            **bench_row(timer, layer, reference, tokens, generator, bandwidth, rate))
                 rows.append(row)
-                print(f"{shape:9s} {format_name:11s} M={tokens:5d} touched={row['experts_touched']:3d} "
-                      f"gemm {row['gemm_ms']:.4f} ms  layer {row['layer_ms']:.4f} ms  floor {row['floor_ms']:.4f} ms "
-                      f"({row['fraction_of_floor']:.2f})  torch {row['torch_ms']:.4f} ms  grouped_mm "
-                      f"{row['grouped_mm_ms'] or float('nan'):.4f} ms"
-                      + (f"  eager {row['eager_layer_ms']:.3f} ms (host {row['eager_host_us']:.1f} us for "
-                         f"{row['kernels']} kernels, {row['eager_over_layer']:.2f}x the graph; ordinary launches "
-                         f"{row['eager_ordinary_ms']:.3f} ms)"
-                         if tokens == 1 else "")
-                      + (f"\n    GEMMs writing partials only {row['gemm_plain_ms']:.4f} ms; plain reads of their bytes "
-                         f"{row['read_ms']:.4f} ms (GEMMs {row['gemm_ms'] / row['read_ms']:.2f}x); per kernel (us): "
-                         f"{row['kernel_us']}" if "kernel_us" in row else ""), flush=True)
+                print_row(row)
+                rows.sort(key=table_order(args.shapes, args.formats))
                 with open(args.json, "w") as f:  # after every row: a timed-out run keeps its rows
                     json.dump(dict(header, rows=rows), f, indent=1)
-            del layer
-            torch.cuda.empty_cache()
-        del reference
+        del layers, layer, reference
         torch.cuda.empty_cache()
+
+
+def table_order(shapes: list[str], formats: list[str]):
+    """The sort key that lists rows shape by shape, format by format, by token count (the
+    table's order), whatever order they were timed in."""
+    return lambda row: (shapes.index(row["shape"]), formats.index(row["format"]), row["M"])
+
+
+def print_row(row: dict) -> None:
+    print(f"{row['shape']:9s} {row['format']:11s} M={row['M']:5d} touched={row['experts_touched']:3d} "
+          f"gemm {row['gemm_ms']:.4f} ms  layer {row['layer_ms']:.4f} ms  floor {row['floor_ms']:.4f} ms "
+          f"({row['fraction_of_floor']:.2f})  torch {row['torch_ms']:.4f} ms  grouped_mm "
+          f"{row['grouped_mm_ms'] or float('nan'):.4f} ms"
+          + (f"  eager {row['eager_layer_ms']:.3f} ms (host {row['eager_host_us']:.1f} us for "
+             f"{row['kernels']} kernels, {row['eager_over_layer']:.2f}x the graph; ordinary launches "
+             f"{row['eager_ordinary_ms']:.3f} ms)" if "eager_layer_ms" in row else "")
+          + (f"\n    GEMMs writing partials only {row['gemm_plain_ms']:.4f} ms; plain reads of their bytes "
+             f"{row['read_ms']:.4f} ms (GEMMs {row['gemm_ms'] / row['read_ms']:.2f}x); per kernel (us): "
+             f"{row['kernel_us']}" if "kernel_us" in row else ""), flush=True)
 
 
 if __name__ == "__main__":

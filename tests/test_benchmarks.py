@@ -65,3 +65,24 @@ def test_per_gpu_runs_each_step_on_its_own_card(tmp_path):
 def test_per_gpu_refuses_more_steps_than_cards(tmp_path):
     done = _run_per_gpu(tmp_path, ["true", "true", "true"], cards=2)
     assert done.returncode == 2 and "3 steps for 2 cards" in done.stderr
+
+
+def test_bench_rows_are_listed_in_the_tables_order_and_printed(monkeypatch, capsys):
+    """bench_moe times a shape's rows by token count (decode rows before any prefill row)
+    but writes and prints them as the table reads: shape, format, M."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench_moe = importlib.import_module("bench_moe")
+    try:
+        base = dict(experts_touched=8, gemm_ms=0.02, layer_ms=0.025, floor_ms=0.007, fraction_of_floor=0.35,
+                    torch_ms=0.4, grouped_mm_ms=None)
+        timed = [dict(base, shape=shape, format=fmt, M=m) for shape in ("qwen3", "mixtral") for m in (1, 256)
+                 for fmt in ("w4a16-g128", "nvfp4")]
+        timed.sort(key=bench_moe.table_order(["qwen3", "mixtral"], ["w4a16-g128", "nvfp4"]))
+        assert [(r["shape"], r["format"], r["M"]) for r in timed[:4]] == [
+            ("qwen3", "w4a16-g128", 1), ("qwen3", "w4a16-g128", 256), ("qwen3", "nvfp4", 1), ("qwen3", "nvfp4", 256)]
+        bench_moe.print_row(dict(timed[0], eager_layer_ms=0.02, eager_host_us=14.0, kernels=4, eager_over_layer=0.8,
+                                 eager_ordinary_ms=1.8))
+        printed = capsys.readouterr().out
+        assert "M=    1" in printed and "host 14.0 us for 4 kernels" in printed and "grouped_mm nan ms" in printed
+    finally:
+        sys.modules.pop("bench_moe", None)
