@@ -317,8 +317,9 @@ def main(argv=None) -> None:
             config = MoEConfig(**SHAPES[shape], quant=FORMATS[format_name])
             layer = MoELayer(config, max_tokens=max(args.tokens))
             layer.weights.fill_random(seed=1)
-            layers[format_name] = layer, tuned_entries(config, layer.weights.spec)[0]
-            print(f"{shape} {format_name}: tiles tuned on {layers[format_name][1]}" if layers[format_name][1] else
+            tuned_on = tuned_entries(config, layer.weights.spec)[0]
+            layers[format_name] = layer, tuned_on
+            print(f"{shape} {format_name}: tiles tuned on {tuned_on}" if tuned_on else
                   f"{shape} {format_name}: untuned (the oracle's heuristic)")
         # Token counts outermost: every format's decode rows are timed before any prefill row,
         # whose seconds of work can leave the card slower for a while (the fifty-first
