@@ -132,7 +132,8 @@ def refine_candidates(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTi
     and four times its K split (`split_variants`) and with half and twice its slabs per
     warp (a decode batch, a prefill stage), and a prefill tile with trim_padding flipped
     (gemm1's also with fused_reduction flipped, where it can finish the activation) and
-    with a stage more and one fewer: minutes instead of a full tuning's tens of minutes,
+    with a stage more and one fewer, and any tile releasing the next kernel early or late
+    (release_early): minutes instead of a full tuning's tens of minutes,
     to re-check saved entries after a kernel or an option changes (or on another GPU).
     The heuristic's tile comes last (`heuristic_tiles`)."""
     backend = select_backend(config, num_tokens, kernel_spec(config))
@@ -156,6 +157,7 @@ def refine_candidates(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTi
                           if stages >= 2]
             tiles += [attrs.evolve(tile, slabs_per_warp=depth)  # loads in flight: half or twice the slabs a batch
                       for depth in (tile.slabs_per_warp // 2, tile.slabs_per_warp * 2) if depth >= 1]
+            tiles.append(attrs.evolve(tile, release_early=not tile.release_early))  # the next kernel's start
     return list(dict.fromkeys(tiles + heuristic_tiles(num_tokens, config, k)))
 
 

@@ -109,6 +109,13 @@ class GemmTile:
                     only (an expert's last block) runs a copy of the main loop without
                     them, one copy per count of tiles in use (fewer mma where experts get a
                     few blocks each, but about twice the code to compile).
+    release_early:  under early launch (`launch`), let the next kernel's CTAs start as soon
+                    as this one has waited for the kernel before it, not after its main
+                    loop: they then start, and gemm2 issues its first weight loads, beside
+                    this kernel's main loop rather than in its tail. That gains where the
+                    grid leaves room beside it (Qwen3's decode gemm1 at one token on the
+                    H100) and costs where the waiting CTAs take the place of this kernel's
+                    (the fifteenth session's H200 kernels): the tuner times both.
 
     A tile whose warps come in gate/up pairs (`pairs_warps`) fuses only gemm1's activation,
     finished in its epilogue (`paired_activation`); others fuse from float32 partials.
@@ -128,6 +135,7 @@ class GemmTile:
     steady_loop: bool = False
     chunks_first: bool = False
     trim_padding: bool = False
+    release_early: bool = False
 
     def __attrs_post_init__(self):
         if self.steady_loop and self.a_in_shared:
@@ -234,7 +242,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     pair_stores = stores_pairs(tile, n, partial_output)
     block_m, threads, stages = tile.block_m, tile.threads, tile.stages
     a_in_shared, swap_ab, chunks_first = tile.a_in_shared, tile.swap_ab, tile.chunks_first
-    steady_loop, trims = tile.steady_loop, tile.trim_padding
+    steady_loop, trims, release_early = tile.steady_loop, tile.trim_padding, tile.release_early
     early_weights = alignment_ready and not a_in_shared  # prefill's first copies include activations
     warps_n, warps_k, depth, stage_slabs = tile.warps_n, tile.warps_k, tile.slabs_per_warp, tile.stage_slabs
     warp_rows, m_tiles, row_halves, teams = plan.warp_rows, plan.m_tiles, plan.row_halves, plan.teams
@@ -344,6 +352,8 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                      num_slots, rows_div):
         if not early_weights:
             ptx.wait_for_previous()  # launched early (launch.Launcher): the alignment and act are final from here
+            if release_early:
+                ptx.release_next()
         block, column = (cuda.blockIdx.y, cuda.blockIdx.x) if chunks_first else (cuda.blockIdx.x, cuda.blockIdx.y)
         tid = cuda.threadIdx.x
         # The block's expert and slots are loaded beside the count of blocks in use, not
@@ -450,6 +460,8 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                 if early_weights:  # the first weights load while the kernel before this one finishes
                     fetch_weight_words(act, weights, expert, slab_a, own_end, chunk, lane, rows, raw_a, a_raw_a)
                     ptx.wait_for_previous()
+                    if release_early:
+                        ptx.release_next()
                     fetch_a_words(act, weights, expert, slab_a, own_end, chunk, lane, rows, raw_a, a_raw_a)
                 else:
                     fetch_batch(act, weights, expert, slab_a, own_end, chunk, lane, rows, raw_a, a_raw_a)
@@ -464,10 +476,10 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
 
         if early_weights:
             ptx.wait_for_previous()  # for CTAs that skipped the decode loop (returns at once after a wait)
-        # The next kernel may launch now: its CTAs start in this one's tail (reduction,
-        # stores, fused finish). Released right after the wait instead, they sat beside this
-        # kernel's main loop and slowed it (Qwen3 NVFP4 M = 1 on the H200: 26 -> 35 us).
-        ptx.release_next()
+        # The next kernel may launch now (unless `release_early` let it after the wait): its
+        # CTAs start in this one's tail (reduction, stores, fused finish).
+        if not release_early:
+            ptx.release_next()
         if warps_k > 1:
             # Every warp writes its tiles to shared memory, and each tile's owner sums the
             # warps' copies in warp order, a0 + a1 + ..., its own among them: float sums in

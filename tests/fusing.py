@@ -1,4 +1,5 @@
-"""Test helpers for the fused reductions: force them on every tile, or keep them apart."""
+"""Test helpers for tile options: force one on every tile (the fused reductions, an early
+release), or keep the reductions apart."""
 
 import attrs
 
@@ -15,14 +16,19 @@ class SeparateReductions(MoEHooks):
         pass
 
 
-def fuse_every_tile(monkeypatch, select):
-    """Make the runner and the workspace take `select`'s backends with `fused_reduction`
-    set on both GEMM tiles; returns that selection."""
-    def select_fused(config, tokens, spec):
+def evolve_every_tile(monkeypatch, select, **options):
+    """Make the runner and the workspace take `select`'s backends with `options` set on
+    both GEMM tiles; returns that selection."""
+    def select_evolved(config, tokens, spec):
         backend = select(config, tokens, spec)
-        return attrs.evolve(backend, gemm1=attrs.evolve(backend.gemm1, fused_reduction=True),
-                            gemm2=attrs.evolve(backend.gemm2, fused_reduction=True))
+        return attrs.evolve(backend, gemm1=attrs.evolve(backend.gemm1, **options),
+                            gemm2=attrs.evolve(backend.gemm2, **options))
 
-    monkeypatch.setattr(moe.runner, "select_backend", select_fused)
-    monkeypatch.setattr(moe.workspace, "select_backend", select_fused)
-    return select_fused
+    monkeypatch.setattr(moe.runner, "select_backend", select_evolved)
+    monkeypatch.setattr(moe.workspace, "select_backend", select_evolved)
+    return select_evolved
+
+
+def fuse_every_tile(monkeypatch, select):
+    """`evolve_every_tile` with `fused_reduction` set on both GEMM tiles."""
+    return evolve_every_tile(monkeypatch, select, fused_reduction=True)

@@ -9,7 +9,7 @@ import gc
 import numpy as np
 import pytest
 import torch
-from fusing import SeparateReductions, fuse_every_tile
+from fusing import SeparateReductions, evolve_every_tile, fuse_every_tile
 
 import moe.oracle
 from moe import MoEConfig, MoELayer, QuantScheme, batched_moe, fused_moe, select_backend
@@ -173,6 +173,26 @@ def test_tuner_times_candidates_with_cuda_graphs():
     tiles = [GemmTile(block_m=16, warps_k=4, slabs_per_warp=2), GemmTile(block_m=16, warps_k=2, slabs_per_warp=4)]
     best = tune(config, [4], candidates=lambda tokens, config, k: tiles, progress=False)
     assert best[4].gemm1 in tiles and best[4].gemm2 in tiles
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 512])
+def test_releasing_the_next_kernel_early_changes_no_bit(tokens, monkeypatch):
+    """`GemmTile.release_early` moves only where a GEMM lets the next kernel's CTAs start
+    (they then wait beside its main loop): replayed with early launch, decode and prefill
+    tiles, the layer's output must not change by a bit."""
+    config = MoEConfig(**SMALL, quant=QuantScheme("gptq", group_size=128))
+    outputs = {}
+    for early in (False, True):
+        with monkeypatch.context() as patch:
+            select = evolve_every_tile(patch, moe.oracle.select_backend, release_early=early)
+            assert select(config, tokens, kernel_spec(config)).gemm1.release_early == early
+            layer = MoELayer(config, max_tokens=tokens)
+            layer.weights.fill_random(seed=4)
+            for seed in (6, 7, 7):  # the first call records; the others replay the graph
+                hidden, logits = _inputs(config, tokens, seed)
+                outputs[early] = layer(hidden, logits).clone()
+    assert torch.isfinite(outputs[False].float()).all()
+    assert torch.equal(outputs[False].view(torch.int16), outputs[True].view(torch.int16))
 
 
 def _tuned_entries() -> list:

@@ -172,7 +172,8 @@ def test_refine_times_the_current_choice_and_its_flipped_options(empty_tuned_dir
     assert {t.slabs_per_warp for t in depths} == {current.slabs_per_warp // 2, current.slabs_per_warp * 2} - {0}
     assert all(attrs.evolve(t, slabs_per_warp=current.slabs_per_warp) == current for t in depths)
     tiles = [t for t in tiles if t not in depths]
-    assert tiles[0] == current and len(set(tiles)) == len(tiles) == (6 if current.swap_ab else 5)
+    assert tiles[0] == current and len(set(tiles)) == len(tiles) == (7 if current.swap_ab else 6)
+    assert tiles[-1] == attrs.evolve(current, release_early=not current.release_early)
     assert {t.steady_loop for t in tiles} == {False, True}
     assert {t.chunks_first for t in tiles} == {False, True}
     assert {t.warps_k for t in tiles} == {current.warps_k // 2, current.warps_k, current.warps_k * 2}
@@ -186,7 +187,8 @@ def test_refine_times_the_current_choice_and_its_flipped_options(empty_tuned_dir
         attrs.evolve(first, split_k=split) for split in (2, 4)]
     # ... and the pipeline a stage deeper or shallower (never below two), stages of twice or half the slabs
     depth, stages = first.slabs_per_warp, first.stages
-    assert {(t.slabs_per_warp, t.stages) for t in prefill[5:]} == (
+    assert prefill[-1] == attrs.evolve(first, release_early=not first.release_early)  # the next kernel's start
+    assert {(t.slabs_per_warp, t.stages) for t in prefill[5:-1]} == (
         {(depth, stages + 1), (depth // 2, stages), (depth * 2, stages)} | ({(depth, stages - 1)} if stages > 2 else set()))
     gemm1 = refine_candidates(4096, mixtral, mixtral.hidden_size)  # also with the activation flipped
     assert gemm1[2] == attrs.evolve(gemm1[0], fused_reduction=not gemm1[0].fused_reduction)
