@@ -115,7 +115,7 @@ class GemmTile:
                     this kernel's main loop rather than in its tail. That gains where the
                     grid leaves room beside it (Qwen3's decode gemm1 at one token on the
                     H100) and costs where the waiting CTAs take the place of this kernel's
-                    (the fifteenth session's H200 kernels): the tuner times both.
+                    (the fifteenth session's H200 kernels): `moe.tune --refine` times both.
 
     A tile whose warps come in gate/up pairs (`pairs_warps`) fuses only gemm1's activation,
     finished in its epilogue (`paired_activation`); others fuse from float32 partials.
