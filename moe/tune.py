@@ -8,8 +8,10 @@ the reduction that reads its output as the layer runs it (gemm1 -> activation, g
 combine: fused into a decode GEMM's last CTAs, gemm1's activation into a prefill GEMM's
 epilogue, else a kernel of its own; a K split in S parts makes it sum S partials, which
 the GEMM alone does not show). Every time is a CUDA-graph replay, L2 flushed, of the
-launches replayed as the layer replays its own (`launch.replaying`: a kernel that waits
-for the one before starts early). The `FINALISTS` fastest tiles of each GEMM are then
+alignment and then those launches, replayed as the layer replays its own
+(`launch.replaying`: a kernel that waits for the one before starts early; the first
+GEMM waits for the alignment, as in the layer). The `FINALISTS` fastest tiles of each
+GEMM (and their twins releasing the next kernel early or late, where timed) are then
 timed in pairs, one GEMM after the other as in the layer, where gemm2 starts beside
 gemm1's tail: on the H200 a fused gemm1 won alone by 2 to 3 % but lost in the layer's
 sequence by 2 to 5 % (DeepSeek at M = 4 and 16, BENCHMARKS.md). The fastest pair wins,
@@ -255,8 +257,9 @@ def tune(config: MoEConfig, token_counts: Iterable[int], *, measure: Measure | N
         def alignments(block_m: int) -> list:  # each draw aligned once per block size
             return [moe_align_block_size(ids, block_m, config.num_experts, check_ids=False) for ids in draws]
 
-        def runner(stage: str, tile: GemmTile):
-            """run(alignment): the GEMM of `stage` with `tile`, then the reduction reading its output."""
+        def runner(stage: str, tile: GemmTile, alignment_ready: bool = False):
+            """run(alignment): the GEMM of `stage` with `tile`, then the reduction reading its
+            output; `alignment_ready`: a GEMM runs before it (gemm2 in a pair, as in the layer)."""
             act, stored, n = (hidden, weights.w13, n1) if stage == "gemm1" else (intermediate, weights.w2, h)
             out = gemm_view(torch.empty(gemm_out_elements(tile, slots, n), dtype=torch.float32, device=device),
                             tile, slots, n, half)
@@ -264,7 +267,8 @@ def tune(config: MoEConfig, token_counts: Iterable[int], *, measure: Measure | N
                     else fused_combine(config, tile, topk_weights, reduced[stage], arrivals))
 
             def run(alignment):
-                grouped_gemm(act, stored, *alignment, num_slots=slots, tile=tile, out=out, then=then)
+                grouped_gemm(act, stored, *alignment, num_slots=slots, tile=tile, out=out, then=then,
+                             alignment_ready=alignment_ready)
                 if then is None and stage == "gemm1":
                     activate(out, config.activation, out=reduced[stage])
                 elif then is None:
@@ -273,9 +277,16 @@ def tune(config: MoEConfig, token_counts: Iterable[int], *, measure: Measure | N
             return run
 
         def timed(runs: list, subject: GemmTile | Backend) -> float:
-            """Mean over the routings of `runs` one after another, replayed as the layer does."""
-            return statistics.fmean(measure(replaying(lambda: [run(alignment) for run in runs]), subject)
-                                    for alignment in alignments(subject.block_m))
+            """Mean over the routings of `runs` one after another, replayed as the layer does:
+            behind the alignment that they wait for, so that gemm1 too starts early (its
+            CTAs are in place when it lets the next kernel's start, `release_early`)."""
+            def replayed(ids, alignment):
+                moe_align_block_size(ids, subject.block_m, config.num_experts, check_ids=False, out=alignment)
+                for run in runs:
+                    run(alignment)
+
+            return statistics.fmean(measure(replaying(functools.partial(replayed, ids, alignment)), subject)
+                                    for ids, alignment in zip(draws, alignments(subject.block_m)))
 
         timings: dict[int, dict[str, list[tuple[float, GemmTile]]]] = {}
         for stage, tiles in (("gemm1", tiles1), ("gemm2", tiles2)):
@@ -298,17 +309,29 @@ def tune(config: MoEConfig, token_counts: Iterable[int], *, measure: Measure | N
             raise ValueError(f"no block size has candidate tiles for both GEMMs at M={tokens}")
         pairs = {}  # the finalists of each block size, timed together as the layer runs them
         for block_m, stages in complete.items():
-            finalists = [[tile for _, tile in sorted(stages[stage], key=lambda timing: timing[0])[:FINALISTS]]
-                         for stage in ("gemm1", "gemm2")]
+            finalists = [with_release_twins([tile for _, tile in sorted(stages[stage], key=lambda timing: timing[0])],
+                                            FINALISTS) for stage in ("gemm1", "gemm2")]
             for tile1, tile2 in itertools.product(*finalists):
                 backend = Backend(block_m, tile1, tile2)
-                pairs[backend] = timed([runner("gemm1", tile1), runner("gemm2", tile2)], backend)
+                pairs[backend] = timed([runner("gemm1", tile1), runner("gemm2", tile2, alignment_ready=True)], backend)
                 if report:
                     report(tokens, "pair", backend, pairs[backend])
         best[tokens] = min(pairs, key=pairs.get)
         if finished:
             finished(tokens, best[tokens])
     return best
+
+
+def with_release_twins(ranked: list[GemmTile], count: int) -> list[GemmTile]:
+    """The `count` first of `ranked` (tiles fastest first), each followed by its twin with
+    release_early flipped where that was timed too: what releasing the next kernel early
+    does shows beside that kernel, which for a gemm1 finishing its own reduction is
+    gemm2, timed with it only in a pair."""
+    finalists = []
+    for tile in ranked[:count]:
+        twin = attrs.evolve(tile, release_early=not tile.release_early)
+        finalists += [tile] + ([twin] if twin in ranked else [])
+    return list(dict.fromkeys(finalists))
 
 
 def save(config: MoEConfig, backends: dict[int, Backend], device: str | None = None) -> str:

@@ -12,6 +12,7 @@ from moe import MoEConfig, QuantScheme, select_backend
 from moe.oracle import Backend, activation_finishable
 from moe.tune import ProgressBar, candidate_tiles, paired_decode, refine_candidates, save, split_variants, tune
 from moe.weights import kernel_spec
+from numba_kernels.align import launch_shape, make_align_kernel
 from numba_kernels.gemm import GemmTile
 
 CONFIG = MoEConfig(num_experts=2, top_k=2, hidden_size=32, intermediate_size=64,
@@ -30,11 +31,22 @@ def empty_tuned_dir(tmp_path, monkeypatch):
     moe.oracle.tuned_tables.cache_clear()
 
 
-def test_tuner_keeps_the_fastest_tiles_and_the_oracle_reads_them(empty_tuned_dir):
-    launched = []
+def test_tuner_keeps_the_fastest_tiles_and_the_oracle_reads_them(empty_tuned_dir, monkeypatch):
+    launched, ready = [], []
+    gemm = moe.tune.grouped_gemm
+
+    def noting_readiness(*args, alignment_ready=False, **kwargs):
+        ready.append(alignment_ready)
+        return gemm(*args, alignment_ready=alignment_ready, **kwargs)
+
+    monkeypatch.setattr(moe.tune, "grouped_gemm", noting_readiness)
+
+    slots = 2 * CONFIG.top_k
+    aligner = make_align_kernel(CONFIG.num_experts, 16, launch_shape(slots, CONFIG.num_experts)[1], "none")
 
     def measure(replay, subject):  # a scripted time (the launches ran when `replaying` recorded them)
-        launched.append((subject, len(replay.launchers)))
+        assert replay.launchers[0].kernel is aligner  # every replay starts as the layer's GEMMs do
+        launched.append((subject, len(replay.launchers) - 1))
         if isinstance(subject, Backend):  # a pair of finalists: the other way round in this script
             return 1.0 if (subject.gemm1, subject.gemm2) == (SLOW, FAST) else 3.0
         return 1.0 if subject == FAST else 2.0
@@ -50,6 +62,8 @@ def test_tuner_keeps_the_fastest_tiles_and_the_oracle_reads_them(empty_tuned_dir
     pairs = [(Backend(16, one, two), launches) for one, two, launches in
              ((FAST, FAST, 2), (FAST, SLOW, 3), (SLOW, FAST, 3), (SLOW, SLOW, 4))]
     assert sorted(launched[8:], key=repr) == sorted([pair for pair in pairs for _ in range(2)], key=repr)
+    # alone a GEMM waits for the alignment; in a pair gemm2 comes after gemm1, the alignment ready
+    assert ready == [False] * 8 + [False, True] * 8
     assert best[2] == Backend(16, SLOW, FAST)  # the fastest pair, not the fastest tiles alone
 
     path = save(CONFIG, best)
@@ -192,3 +206,19 @@ def test_refine_times_the_current_choice_and_its_flipped_options(empty_tuned_dir
         {(depth, stages + 1), (depth // 2, stages), (depth * 2, stages)} | ({(depth, stages - 1)} if stages > 2 else set()))
     gemm1 = refine_candidates(4096, mixtral, mixtral.hidden_size)  # also with the activation flipped
     assert gemm1[2] == attrs.evolve(gemm1[0], fused_reduction=not gemm1[0].fused_reduction)
+
+
+def test_a_finalists_release_twin_is_paired_even_when_slower_alone(empty_tuned_dir):
+    late, early = FAST, attrs.evolve(FAST, release_early=True)
+    assert moe.tune.with_release_twins([SLOW, late, early], 1) == [SLOW]  # no twin of SLOW was timed
+    assert moe.tune.with_release_twins([late, SLOW, early], 1) == [late, early]
+    assert moe.tune.with_release_twins([late, early, SLOW], 2) == [late, early]  # each tile once
+
+    def measure(replay, subject):  # alone `early` is the slowest; after it gemm2 starts sooner
+        if isinstance(subject, Backend):
+            return 1.0 if subject.gemm1 == early else 2.0
+        return {SLOW: 2.0, late: 1.0, early: 3.0}[subject]
+
+    best = tune(CONFIG, [2], measure=measure, candidates=lambda tokens, config, k: [SLOW, late, early],
+                progress=False, routings=1)
+    assert best[2].gemm1 == early
