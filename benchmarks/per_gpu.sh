@@ -5,13 +5,14 @@
 # the GPU, which nothing else shares); only host-side figures (the eager layer's host time)
 # feel the others. Run on the device machine from the repository root, e.g. on four cards:
 #   bash benchmarks/per_gpu.sh \
-#     'python3 -m moe.tune --experts 128 --top-k 8 --hidden 2048 --intermediate 768 --tokens 1 --refine' \
+#     'bash benchmarks/refine_side_by_side.sh q1 "--experts 128 --top-k 8 --hidden 2048 --intermediate 768 --tokens 1" qwen3:w4a16-g128:1' \
 #     'STEPS=tests TESTS="-m gpu tests/test_gpu_runner.py" bash benchmarks/gpu_check.sh' \
 #     'STEPS=tests TESTS="-m gpu --ignore=tests/test_gpu_runner.py" bash benchmarks/gpu_check.sh' \
 #     'STEPS=bench bash benchmarks/gpu_check.sh --shapes deepseek'
-# Each step writes under a folder of its own ($OUT/gpu<i>: gpu_check.sh names its logs the
-# same on every card); the folders come back packed in $OUT/steps.tar.gz (the device tool
-# returns at most 8 files). It fails if any step failed.
+# A step that tunes works on a copy of the tree (refine_side_by_side.sh), never on the
+# table that tests beside it read. Each step writes under a folder of its own ($OUT/gpu<i>:
+# gpu_check.sh names its logs the same on every card); the folders come back packed in
+# $OUT/steps.tar.gz (the device tool returns at most 8 files). It fails if any step failed.
 set -o pipefail
 source benchmarks/device_env.sh || exit 1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
