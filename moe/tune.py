@@ -279,7 +279,7 @@ def tune(config: MoEConfig, token_counts: Iterable[int], *, measure: Measure | N
         def timed(runs: list, subject: GemmTile | Backend) -> float:
             """Mean over the routings of `runs` one after another, replayed as the layer does:
             behind the alignment that they wait for, so that gemm1 too starts early (its
-            CTAs are in place when it lets the next kernel's start, `release_early`)."""
+            CTAs are in place when it lets the next kernel's CTAs start, `release_early`)."""
             def replayed(ids, alignment):
                 moe_align_block_size(ids, subject.block_m, config.num_experts, check_ids=False, out=alignment)
                 for run in runs:

@@ -22,8 +22,11 @@ def latest_runs() -> dict[str, list[dict]]:
     for path in RESULTS:
         run = json.loads(path.read_text())
         by_device.setdefault(run["device"], []).append((path.name[:10], run))
-    return {device: [run for date, run in runs if date == max(d for d, _ in runs)]
-            for device, runs in by_device.items()}
+    latest = {}
+    for device, runs in by_device.items():
+        newest = max(date for date, _ in runs)
+        latest[device] = [run for date, run in runs if date == newest]
+    return latest
 
 
 def row(**changes):
