@@ -299,6 +299,8 @@ def main(argv=None) -> None:
     parser.add_argument("--json", default="bench_moe.json", help="where to write the rows")
     parser.add_argument("--flush", default="read", choices=["read", "write"], help="how to flush the L2 (see Timer)")
     args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("it times the layer on a CUDA GPU and none is available here (python -m moe runs without one)")
 
     timer = Timer(flush=args.flush)
     bandwidth, rate = copy_bandwidth(timer), matmul_rate(timer)

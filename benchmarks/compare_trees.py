@@ -82,6 +82,10 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: time --jobs under this tree
     args = parser.parse_args(argv)
+    import torch  # here and in `worker` only: the module imports without it
+
+    if not torch.cuda.is_available():
+        parser.error("it times the layer under each tree on a CUDA GPU and none is available here (python -m moe runs without one)")
     for job in args.jobs:
         parse_job(job)
     if args.worker:

@@ -226,8 +226,14 @@ def tune(config: MoEConfig, token_counts: Iterable[int], *, measure: Measure | N
     measurement (token count, "gemm1" or "gemm2", tile, ms or None when skipped; "pair",
     backend, ms for the finalists timed together), `finished` each token count's backend
     as soon as it is chosen."""
-    if routings < 1:
-        raise ValueError(f"routings must be at least 1, got {routings}")
+    if isinstance(routings, bool) or not isinstance(routings, int) or routings < 1:
+        raise ValueError(f"routings must be an integer of at least 1, got {routings!r}")
+    token_counts = list(token_counts)
+    if not token_counts or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in token_counts):
+        raise ValueError(f"token_counts must be one or more positive integers, got {token_counts!r}")
+    if measure is None and (interop.SIMULATED or not torch.cuda.is_available()):
+        raise RuntimeError("moe.tune times kernels on a CUDA GPU (CUDA graphs, events) and none is available "
+                           "here; pass measure= to time them another way")
     measure = measure or cuda_graph_measure()
     weights = ExpertWeights(config)
     weights.fill_random(seed)

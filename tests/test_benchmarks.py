@@ -86,3 +86,16 @@ def test_bench_rows_are_listed_in_the_tables_order_and_printed(monkeypatch, caps
         assert "M=    1" in printed and "host 14.0 us for 4 kernels" in printed and "grouped_mm nan ms" in printed
     finally:
         sys.modules.pop("bench_moe", None)
+
+
+@pytest.mark.skipif(importlib.import_module("torch").cuda.is_available(), reason="this machine has a GPU")
+@pytest.mark.parametrize("name,argv", [("bench_moe", ["--shapes", "qwen3", "--tokens", "1"]),
+                                       ("compare_trees", ["--trees", "a=.", "--jobs", "qwen3:nvfp4:1"])])
+def test_a_timing_script_without_a_gpu_says_it_needs_one(name, argv, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    try:
+        with pytest.raises(SystemExit):
+            importlib.import_module(name).main(argv)
+    finally:
+        sys.modules.pop(name, None)
+    assert "on a CUDA GPU and none is available" in capsys.readouterr().err

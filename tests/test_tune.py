@@ -5,6 +5,7 @@ import io
 
 import attrs
 import pytest
+import torch
 
 import moe.oracle
 import moe.tune
@@ -14,6 +15,7 @@ from moe.tune import ProgressBar, candidate_tiles, paired_decode, refine_candida
 from moe.weights import kernel_spec
 from numba_kernels.align import launch_shape, make_align_kernel
 from numba_kernels.gemm import GemmTile
+from numba_kernels.interop import SIMULATED
 
 CONFIG = MoEConfig(num_experts=2, top_k=2, hidden_size=32, intermediate_size=64,
                    quant=QuantScheme("native", bits=4, group_size=32))
@@ -222,3 +224,17 @@ def test_a_finalists_release_twin_is_paired_even_when_slower_alone(empty_tuned_d
     best = tune(CONFIG, [2], measure=measure, candidates=lambda tokens, config, k: [SLOW, late, early],
                 progress=False, routings=1)
     assert best[2].gemm1 == early
+
+
+@pytest.mark.parametrize("counts,routings,named", [([0], 1, "token_counts"), ([], 1, "token_counts"),
+                                                    ([2, -4], 1, "token_counts"), ([1.5], 1, "token_counts"),
+                                                    ([2], 0, "routings"), ([2], True, "routings")])
+def test_bad_token_counts_or_routings_are_refused_by_name(counts, routings, named):
+    with pytest.raises(ValueError, match=named):
+        tune(CONFIG, counts, measure=lambda replay, subject: 1.0, routings=routings, progress=False)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and not SIMULATED, reason="this machine can time kernels")
+def test_tuning_without_a_gpu_says_so():
+    with pytest.raises(RuntimeError, match="CUDA GPU"):
+        tune(CONFIG, [2], progress=False)
