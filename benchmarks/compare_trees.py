@@ -82,16 +82,17 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: time --jobs under this tree
     args = parser.parse_args(argv)
+    for job in args.jobs:
+        parse_job(job)
+    trees = [parse_tree(tree) for tree in args.trees]
     import torch  # here and in `worker` only: the module imports without it
 
     if not torch.cuda.is_available():
-        parser.error("it times the layer under each tree on a CUDA GPU and none is available here (python -m moe runs without one)")
-    for job in args.jobs:
-        parse_job(job)
+        parser.error("it times the layer under each tree on a CUDA GPU and none is available here "
+                     "(python -m moe runs without one)")
     if args.worker:
         worker(args.worker, args.jobs)
         return
-    trees = [parse_tree(tree) for tree in args.trees]
     times = {(job, name): [] for job in args.jobs for name, _ in trees}
     for _ in range(args.rounds):
         for name, path in trees:
