@@ -7,6 +7,7 @@ import pathlib
 import sys
 
 import pytest
+import torch
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 MODULES = sorted(BENCHMARKS.glob("*.py"))
@@ -88,7 +89,7 @@ def test_bench_rows_are_listed_in_the_tables_order_and_printed(monkeypatch, caps
         sys.modules.pop("bench_moe", None)
 
 
-@pytest.mark.skipif(importlib.import_module("torch").cuda.is_available(), reason="this machine has a GPU")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 @pytest.mark.parametrize("name,argv", [("bench_moe", ["--shapes", "qwen3", "--tokens", "1"]),
                                        ("compare_trees", ["--trees", "a=.", "--jobs", "qwen3:nvfp4:1"])])
 def test_a_timing_script_without_a_gpu_says_it_needs_one(name, argv, monkeypatch, capsys):
