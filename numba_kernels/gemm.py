@@ -113,9 +113,10 @@ class GemmTile:
                     as this one has waited for the kernel before it, not after its main
                     loop: they then start, and gemm2 issues its first weight loads, beside
                     this kernel's main loop rather than in its tail. That gains where the
-                    grid leaves room beside it (Qwen3's decode gemm1 at one token on the
-                    H100) and costs where the waiting CTAs take the place of this kernel's
-                    (the fifteenth session's H200 kernels): `moe.tune --refine` times both.
+                    grid leaves room beside it (Qwen3's decode gemm1 at one token, on the
+                    H100 and the H200) and costs where the waiting CTAs take the place of
+                    this kernel's (the fifteenth session's H200 kernels): `moe.tune
+                    --refine` times both.
 
     A tile whose warps come in gate/up pairs (`pairs_warps`) fuses only gemm1's activation,
     finished in its epilogue (`paired_activation`); others fuse from float32 partials.
@@ -319,6 +320,14 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         return used
 
     @ptx.device
+    def wait_for_previous():
+        """Wait for the kernel before (launched early: `launch.Launcher`); with
+        `release_early`, then let the next one's CTAs start."""
+        ptx.wait_for_previous()
+        if release_early:
+            ptx.release_next()
+
+    @ptx.device
     def owner(i, j):
         """The warp of the team (along K) that sums and stores accumulator tile (i, j)."""
         return (i * acc_j + j) % spread
@@ -351,9 +360,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     def grouped_gemm(act, weights, sorted_ids, expert_ids, num_post_padded, topk_weights, out, reduced, arrivals,
                      num_slots, rows_div):
         if not early_weights:
-            ptx.wait_for_previous()  # launched early (launch.Launcher): the alignment and act are final from here
-            if release_early:
-                ptx.release_next()
+            wait_for_previous()  # the alignment and act are final from here
         block, column = (cuda.blockIdx.y, cuda.blockIdx.x) if chunks_first else (cuda.blockIdx.x, cuda.blockIdx.y)
         tid = cuda.threadIdx.x
         # The block's expert and slots are loaded beside the count of blocks in use, not
@@ -459,9 +466,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                 own_end = min(slab_a + warp_run, weight_end)
                 if early_weights:  # the first weights load while the kernel before this one finishes
                     fetch_weight_words(act, weights, expert, slab_a, own_end, chunk, lane, rows, raw_a, a_raw_a)
-                    ptx.wait_for_previous()
-                    if release_early:
-                        ptx.release_next()
+                    wait_for_previous()
                     fetch_a_words(act, weights, expert, slab_a, own_end, chunk, lane, rows, raw_a, a_raw_a)
                 else:
                     fetch_batch(act, weights, expert, slab_a, own_end, chunk, lane, rows, raw_a, a_raw_a)
