@@ -23,9 +23,11 @@ with programmatic dependent launch (`cuLaunchKernelEx`, Hopper and later): its C
 start while the kernel before it finishes (once that one's CTAs have called
 `ptx.release_next` or exited), which hides the launch gap between a decode layer's
 kernels: 0.5 to 2.7 us per layer on the H200 (BENCHMARKS.md). The GEMM releases after
-its main loop (CTAs waiting beside a running main loop, or beside the routing kernel,
-slowed the layer by up to 12 us) and the short activation kernel on entry, so gemm2
-issues its first weight loads while it runs; the others release by exiting. Set
+its main loop, or after its wait with `GemmTile.release_early` (when early launch came
+in, CTAs waiting beside running main loops slowed the layer by up to 12 us); the short
+activation kernel and the one-block fused routing and alignment kernel release on entry,
+so the next kernel's CTAs are in place when they finish (the routing's: 0.5 to 0.8 us a
+layer, fifty-fourth session); the others release by exiting. Set
 NUMBA_MOE_EARLY_LAUNCH=0 to launch them in plain stream order.
 
 This module is the only one that reaches below numba-cuda's public kernel API: it takes
