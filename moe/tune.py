@@ -14,8 +14,11 @@ GEMM waits for the alignment, as in the layer). The `FINALISTS` fastest tiles of
 GEMM (and their twins releasing the next kernel early or late, where timed) are then
 timed in pairs, one GEMM after the other as in the layer, where gemm2 starts beside
 gemm1's tail: on the H200 a fused gemm1 won alone by 2 to 3 % but lost in the layer's
-sequence by 2 to 5 % (DeepSeek at M = 4 and 16, BENCHMARKS.md). The fastest pair wins,
-over all block sizes. A time is the mean over `routings` random routings (3 by
+sequence by 2 to 5 % (DeepSeek at M = 4 and 16, BENCHMARKS.md). A pair runs the activation kernel between
+the GEMMs where gemm1 leaves it, as the layer does and the benchmark's GEMMs column does
+not: so at Qwen3 w4a16 M = 1 the tuner sees no gain in gemm1 releasing early, which that
+column times 0.6 us faster and the layer 0.2 (within the spread; H200, BENCHMARKS.md).
+The fastest pair wins, over all block sizes. A time is the mean over `routings` random routings (3 by
 default): with a few slots per expert one draw can rank two tiles the other way round
 from the next (on the H200 one draw picked a Mixtral M = 16 gemm2 tile that the
 benchmark's own draw timed 1.36x slower). The candidates are the oracle's own
