@@ -176,10 +176,8 @@ class Permute:
 
 
 @attrs.frozen
-class InterleaveHalves:
-    """Interleave the two halves of an axis: new 2i <- old i, new 2i+1 <- old n/2 + i.
-
-    TensorRT-LLM's gated-activation reorder: [gate; up] rows become gate/up pairs."""
+class _HalvesReorder:
+    """A reorder of the two halves of an axis (of even length): the shape stays."""
 
     axis: int = attrs.field(default=-2, validator=_check_axis)
 
@@ -189,6 +187,16 @@ class InterleaveHalves:
 
     def in_shape(self, shape: Shape) -> Shape:
         return shape
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(axis={self.axis})"
+
+
+@attrs.frozen(repr=False)
+class InterleaveHalves(_HalvesReorder):
+    """Interleave the two halves of an axis: new 2i <- old i, new 2i+1 <- old n/2 + i.
+
+    TensorRT-LLM's gated-activation reorder: [gate; up] rows become gate/up pairs."""
 
     def index_fn(self, shape: Shape):
         self.out_shape(shape)
@@ -206,22 +214,10 @@ class InterleaveHalves:
 
         return interleave_rows
 
-    def __repr__(self) -> str:
-        return f"InterleaveHalves(axis={self.axis})"
 
-
-@attrs.frozen
-class SwapHalves:
+@attrs.frozen(repr=False)
+class SwapHalves(_HalvesReorder):
     """Swap the two halves of an axis: [a; b] -> [b; a] (vLLM's w1/w3 -> w3/w1 reorder)."""
-
-    axis: int = attrs.field(default=-2, validator=_check_axis)
-
-    def out_shape(self, shape: Shape) -> Shape:
-        _require_multiple("rows" if self.axis == -2 else "cols", shape[self.axis], 2, self)
-        return shape
-
-    def in_shape(self, shape: Shape) -> Shape:
-        return shape
 
     def index_fn(self, shape: Shape):
         self.out_shape(shape)
@@ -236,9 +232,6 @@ class SwapHalves:
             return (i + half) % size, j
 
         return swap_rows
-
-    def __repr__(self) -> str:
-        return f"SwapHalves(axis={self.axis})"
 
 
 @attrs.frozen
