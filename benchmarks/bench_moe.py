@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import pathlib
 import statistics
 import subprocess
 import time
@@ -51,6 +52,7 @@ from moe.runner import fused_activation, fused_combine
 from numba_kernels import interop
 from numba_kernels.gemm import grouped_gemm
 from numba_kernels.launch import EARLY_LAUNCH, Launcher, recording, replaying
+from bench_table import source_digest
 from reads import PlainReads
 
 SHAPES = {"qwen3": dict(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768),
@@ -305,8 +307,9 @@ def main(argv=None) -> None:
     timer = Timer(flush=args.flush)
     bandwidth, rate = copy_bandwidth(timer), matmul_rate(timer)
     commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True).stdout.strip()
+    sources = source_digest(pathlib.Path(__file__).resolve().parent.parent)  # the tree timed, whatever git says
     header = dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=commit,
-                  l2_flush=args.flush, early_launch=EARLY_LAUNCH,
+                  sources=sources, l2_flush=args.flush, early_launch=EARLY_LAUNCH,
                   copy_bandwidth_TBps=bandwidth / 1e12, bf16_matmul_TFLOPs=rate / 1e12)
     print(json.dumps(header))
     print(REFERENCE_FIGURES)

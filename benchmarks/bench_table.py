@@ -10,17 +10,28 @@ computed here so that every table reads the same way:
 
     python benchmarks/bench_table.py qwen3_mixtral.json deepseek.json >> table.md
 
+A run records the digest of the sources it timed (`source_digest`): the device machine's
+copy of the checkout can carry older git metadata than its files (its runs named
+themselves after an older commit), so a run is matched to a commit by the digest of that
+commit's files:
+
+    git archive COMMIT layouts numba_kernels moe | tar -x -C /tmp/tree
+    python benchmarks/bench_table.py --sources /tmp/tree
+
 Plain Python: it runs anywhere, no GPU needed.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import pathlib
 
 SHAPE_NAMES = {"qwen3": "Qwen3-30B-A3B", "mixtral": "Mixtral-8x7B", "deepseek": "DeepSeek-V3"}
 DECODE_TOKENS = 16  # issue 6's line applies up to this many tokens
 LINE_FRACTION, LINE_LAUNCH_MS = 0.7, 0.008  # the line: floor / 0.7 + 8 us
+PACKAGES = ("layouts", "numba_kernels", "moe")  # what a run's timing depends on (tuned tables included)
 
 HEADER = ("| shape | format | M | experts | floor ms | GEMMs ms | floor / GEMMs | GEMMs / line | layer ms | "
           "layer / GEMMs | torch loop ms | loop / GEMMs | grouped_mm ms |\n"
@@ -56,16 +67,34 @@ def render(runs: list[dict]) -> str:
     return "\n".join([HEADER] + [table_row(row) for run in runs for row in run["rows"]])
 
 
+def source_digest(root) -> str:
+    """A hash of the packages' Python files and tuned tables under `root`, paths included
+    (compiled caches are not sources): the same for the same tree whatever git says."""
+    root = pathlib.Path(root)
+    digest = hashlib.sha256()
+    for path in sorted(path for package in PACKAGES for path in (root / package).rglob("*")
+                       if path.suffix in (".py", ".json")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("files", nargs="+", help="JSON files written by bench_moe.py --json")
+    parser.add_argument("files", nargs="*", help="JSON files written by bench_moe.py --json")
+    parser.add_argument("--sources", metavar="DIR", help="print the digest of the sources under DIR instead")
     args = parser.parse_args(argv)
+    if args.sources:
+        print(source_digest(args.sources))
+        return
+    if not args.files:
+        parser.error("give the JSON files to render (or --sources DIR)")
     runs = []
     for path in args.files:
         with open(path) as f:
             runs.append(json.load(f))
     for run in runs:
-        print(f"<!-- {run['device']}, {run['date']}, commit {run['commit']}: copy {run['copy_bandwidth_TBps']:.2f} TB/s, "
+        sources = f" (sources {run['sources']})" if "sources" in run else ""
+        print(f"<!-- {run['device']}, {run['date']}, commit {run['commit']}{sources}: copy {run['copy_bandwidth_TBps']:.2f} TB/s, "
               f"bf16 matmul {run['bf16_matmul_TFLOPs']:.0f} TFLOP/s -->")
     print(render(runs))
 

@@ -51,3 +51,30 @@ def test_a_row_has_every_column():
 @pytest.mark.parametrize("device", sorted(latest_runs()))
 def test_benchmarks_md_holds_each_cards_latest_run(device):
     assert bench_table.render(latest_runs()[device]) in (ROOT / "BENCHMARKS.md").read_text()
+
+
+def test_the_source_digest_names_the_tree_not_its_caches(tmp_path):
+    """A run records `source_digest` of the tree it timed: equal trees give one digest,
+    a changed source or tuned table another, and compiled caches or files beside the
+    packages none."""
+    for package in bench_table.PACKAGES:
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text(f"# {package}\n")
+    (tmp_path / "moe" / "tuned.json").write_text("{}")
+    first = bench_table.source_digest(tmp_path)
+    (tmp_path / "moe" / "__pycache__").mkdir()
+    (tmp_path / "moe" / "__pycache__" / "runner.cpython-311.pyc").write_bytes(b"\0")
+    (tmp_path / "BENCHMARKS.md").write_text("notes")
+    assert bench_table.source_digest(tmp_path) == first
+    (tmp_path / "moe" / "tuned.json").write_text('{"a": 1}')
+    changed = bench_table.source_digest(tmp_path)
+    assert changed != first
+    (tmp_path / "moe" / "tuned.json").rename(tmp_path / "layouts" / "tuned.json")  # same bytes, another place
+    assert bench_table.source_digest(tmp_path) not in (first, changed)
+
+
+def test_sources_prints_the_digest_of_a_tree(tmp_path, capsys):
+    (tmp_path / "layouts").mkdir()
+    (tmp_path / "layouts" / "spec.py").write_text("x = 1\n")
+    bench_table.main(["--sources", str(tmp_path)])
+    assert capsys.readouterr().out.strip() == bench_table.source_digest(tmp_path)
