@@ -94,8 +94,8 @@ def main(argv=None) -> None:
             runs.append(json.load(f))
     for run in runs:
         sources = f" (sources {run['sources']})" if "sources" in run else ""
-        print(f"<!-- {run['device']}, {run['date']}, commit {run['commit']}{sources}: copy {run['copy_bandwidth_TBps']:.2f} TB/s, "
-              f"bf16 matmul {run['bf16_matmul_TFLOPs']:.0f} TFLOP/s -->")
+        print(f"<!-- {run['device']}, {run['date']}, commit {run['commit']}{sources}: "
+              f"copy {run['copy_bandwidth_TBps']:.2f} TB/s, bf16 matmul {run['bf16_matmul_TFLOPs']:.0f} TFLOP/s -->")
     print(render(runs))
 
 
