@@ -11,7 +11,8 @@ import moe.oracle
 import moe.tune
 from moe import MoEConfig, QuantScheme, select_backend
 from moe.oracle import Backend, activation_finishable
-from moe.tune import ProgressBar, candidate_tiles, paired_decode, refine_candidates, save, split_variants, tune
+from moe.tune import (ProgressBar, candidate_tiles, other_format_tiles, paired_decode, refine_candidates, save,
+                      split_variants, tune)
 from moe.weights import kernel_spec
 from numba_kernels.align import launch_shape, make_align_kernel
 from numba_kernels.gemm import GemmTile
@@ -208,6 +209,22 @@ def test_refine_times_the_current_choice_and_its_flipped_options(empty_tuned_dir
         {(depth, stages + 1), (depth // 2, stages), (depth * 2, stages)} | ({(depth, stages - 1)} if stages > 2 else set()))
     gemm1 = refine_candidates(4096, mixtral, mixtral.hidden_size)  # also with the activation flipped
     assert gemm1[2] == attrs.evolve(gemm1[0], fused_reduction=not gemm1[0].fused_reduction)
+
+
+def test_refine_also_times_the_tiles_of_the_shapes_other_formats(empty_tuned_dir):
+    """An entry of the same shape in another format, at the same count, brings its block
+    size into the refine (which varies one entry's options, never its block size)."""
+    nvfp4 = MoEConfig(num_experts=2, top_k=2, hidden_size=32, intermediate_size=64, quant=QuantScheme("nvfp4"))
+    prefill = GemmTile(block_m=32, warps_n=4, warps_k=1, slabs_per_warp=8, stages=2, a_in_shared=True)
+    int4_entry = Backend(32, attrs.evolve(prefill, trim_padding=True), attrs.evolve(prefill, split_k=4))
+    save(CONFIG, {256: int4_entry})
+    assert other_format_tiles(256, nvfp4, nvfp4.hidden_size) == [int4_entry.gemm1]
+    assert other_format_tiles(256, nvfp4, nvfp4.intermediate_size) == [int4_entry.gemm2]
+    assert int4_entry.gemm2 in refine_candidates(256, nvfp4, nvfp4.intermediate_size)
+    assert other_format_tiles(64, nvfp4, nvfp4.hidden_size) == []  # another count: none
+    assert other_format_tiles(256, CONFIG, CONFIG.hidden_size) == []  # its own format's entry is the current choice
+    mixtral = MoEConfig(num_experts=8, top_k=2, hidden_size=4096, intermediate_size=14336, quant=QuantScheme("nvfp4"))
+    assert other_format_tiles(256, mixtral, mixtral.hidden_size) == []  # another shape: none
 
 
 def test_a_finalists_release_twin_is_paired_even_when_slower_alone(empty_tuned_dir):
