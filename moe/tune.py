@@ -92,10 +92,11 @@ def heuristic_tiles(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTile
 
 def candidate_tiles(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTile]:
     """Tiles worth timing for `num_tokens` tokens and reduction length `k` (some may not
-    fit a layout or shared memory: `tune` skips those): the heuristic's and the families'."""
+    fit a layout or shared memory: `tune` skips those): the heuristic's, those the tables
+    hold for the shape's other formats (`other_format_tiles`) and the families'."""
     per_expert = num_tokens * config.top_k / config.num_local_experts
     slabs = -(-k // SLAB_K)
-    tiles = heuristic_tiles(num_tokens, config, k)
+    tiles = heuristic_tiles(num_tokens, config, k) + other_format_tiles(num_tokens, config, k)
     for up_to, decode in DECODE_FAMILIES:
         if per_expert <= up_to:
             for split_k in (1, 2, 4, 8):

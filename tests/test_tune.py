@@ -211,9 +211,10 @@ def test_refine_times_the_current_choice_and_its_flipped_options(empty_tuned_dir
     assert gemm1[2] == attrs.evolve(gemm1[0], fused_reduction=not gemm1[0].fused_reduction)
 
 
-def test_refine_also_times_the_tiles_of_the_shapes_other_formats(empty_tuned_dir):
+def test_entries_of_the_shapes_other_formats_are_candidates(empty_tuned_dir):
     """An entry of the same shape in another format, at the same count, brings its block
-    size into the refine (which varies one entry's options, never its block size)."""
+    size into the refine (which varies one entry's options, never its block size) and is
+    a candidate of a full tuning too."""
     nvfp4 = MoEConfig(num_experts=2, top_k=2, hidden_size=32, intermediate_size=64, quant=QuantScheme("nvfp4"))
     prefill = GemmTile(block_m=32, warps_n=4, warps_k=1, slabs_per_warp=8, stages=2, a_in_shared=True)
     int4_entry = Backend(32, attrs.evolve(prefill, trim_padding=True), attrs.evolve(prefill, split_k=4))
@@ -221,6 +222,7 @@ def test_refine_also_times_the_tiles_of_the_shapes_other_formats(empty_tuned_dir
     assert other_format_tiles(256, nvfp4, nvfp4.hidden_size) == [int4_entry.gemm1]
     assert other_format_tiles(256, nvfp4, nvfp4.intermediate_size) == [int4_entry.gemm2]
     assert int4_entry.gemm2 in refine_candidates(256, nvfp4, nvfp4.intermediate_size)
+    assert int4_entry.gemm1 in candidate_tiles(256, nvfp4, nvfp4.hidden_size)  # a full tuning's too
     assert other_format_tiles(64, nvfp4, nvfp4.hidden_size) == []  # another count: none
     assert other_format_tiles(256, CONFIG, CONFIG.hidden_size) == []  # its own format's entry is the current choice
     mixtral = MoEConfig(num_experts=8, top_k=2, hidden_size=4096, intermediate_size=14336, quant=QuantScheme("nvfp4"))
