@@ -221,9 +221,13 @@ def fused_routing(config: MoEConfig, num_tokens: int) -> bool:
     return num_tokens <= min(FUSED_ROUTING_TOKENS, max_lanes(config.routing, config.num_experts))
 
 
+def shape_prefix(config: MoEConfig) -> str:
+    """The part of a tuned table's key every format of the shape shares."""
+    return f"E={config.num_local_experts},top_k={config.top_k},H={config.hidden_size},I={config.intermediate_size},"
+
+
 def shape_key(config: MoEConfig, spec: QuantSpec) -> str:
-    return (f"E={config.num_local_experts},top_k={config.top_k},H={config.hidden_size},"
-            f"I={config.intermediate_size},spec={spec.name},group={spec.group_size}")
+    return f"{shape_prefix(config)}spec={spec.name},group={spec.group_size}"
 
 
 def tuned_path(architecture: str, device: str) -> Path:

@@ -58,7 +58,7 @@ from numba_kernels.launch import replaying
 from .config import MoEConfig, QuantScheme
 from .oracle import (DECODE_TILE, SWAPPED_DECODE_TILE, Backend, activation_finishable, backend_from_dict,
                      backend_to_dict, device_architecture, device_name, heuristic_backend, select_backend, shape_key,
-                     tuned_path, tuned_tables)
+                     shape_prefix, tuned_path, tuned_tables)
 from .runner import fused_activation, fused_combine
 from .weights import ExpertWeights, kernel_spec
 from .workspace import arrivals_elements, gemm_out_elements, gemm_view
@@ -85,9 +85,13 @@ def heuristic_tiles(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTile
     tuning, so that an entry is never one the heuristic beats (on the H200 the heuristic's
     Mixtral M = 256 pair, gemm2 with a K split, took 7 % less time than the entry the
     families gave)."""
-    heuristic = heuristic_backend(config, num_tokens, kernel_spec(config))
-    return list(dict.fromkeys(tile for tile, tile_k in ((heuristic.gemm1, config.hidden_size),
-                                                        (heuristic.gemm2, config.intermediate_size)) if tile_k == k))
+    return list(dict.fromkeys(tiles_of_length(heuristic_backend(config, num_tokens, kernel_spec(config)), config, k)))
+
+
+def tiles_of_length(backend: Backend, config: MoEConfig, k: int) -> list[GemmTile]:
+    """The tiles of `backend`'s GEMMs whose reduction length is `k` (both where H = I)."""
+    return [tile for tile, tile_k in ((backend.gemm1, config.hidden_size), (backend.gemm2, config.intermediate_size))
+            if tile_k == k]
 
 
 def candidate_tiles(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTile]:
@@ -174,16 +178,10 @@ def other_format_tiles(num_tokens: int, config: MoEConfig, k: int) -> list[GemmT
     size, which the refine's variants of one entry never reach. On the H200 the w4a16
     entry's 32-slot tiles beat NVFP4's own 64-slot entry by 3.7 % at Mixtral M = 256
     (fifty-fifth session)."""
-    own = shape_key(config, kernel_spec(config))
-    shape = own.split(",spec=")[0] + ",spec="
-    tiles = []
-    for table in tuned_tables(device_architecture()).values():
-        for key, entries in table.items():
-            if key.startswith(shape) and key != own and str(num_tokens) in entries:
-                backend = backend_from_dict(entries[str(num_tokens)])
-                tiles += [tile for tile, tile_k in ((backend.gemm1, config.hidden_size),
-                                                    (backend.gemm2, config.intermediate_size)) if tile_k == k]
-    return tiles
+    own, shape = shape_key(config, kernel_spec(config)), shape_prefix(config)
+    return [tile for table in tuned_tables(device_architecture()).values() for key, entries in table.items()
+            if key.startswith(shape) and key != own and str(num_tokens) in entries
+            for tile in tiles_of_length(backend_from_dict(entries[str(num_tokens)]), config, k)]
 
 
 def split_variants(tile: GemmTile, k: int) -> list[GemmTile]:
