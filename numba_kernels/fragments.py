@@ -17,7 +17,8 @@ Two readers produce exactly these 16 registers, behind one interface:
   then two packed FMAs subtract the zero point and apply the scale. e2m1 codes have
   their bits moved to a half's sign, exponent and mantissa by shifts and masks generated
   from the layout's `BitPack.places` (`e2m1_moves`: one of each for three codes in four
-  of the native layout, in bfloat16), then one packed FMA scales them.
+  of the native layout, in bfloat16; the fourth's three pieces by one multiply,
+  `bit_spread`), then one packed FMA scales them.
 * `IndexMapReader`, for ANY spec: each of the 32 values through
   `elements.element_reader` (the spec's own index maps), packed with ``cvt.rn``. Slow,
   exact, and what makes the GEMM work on every checkpoint layout as stored.
@@ -63,7 +64,7 @@ import functools
 
 import attrs
 import numpy as np
-from numba import float32, int32, int64, uint32
+from numba import float32, int32, int64, uint32, uint64
 
 from layouts import E2M1, BitPack, Permute, QuantSpec, Tile, Transpose
 from layouts.encodings import UE5M3_BIAS
@@ -307,16 +308,59 @@ class TileGeometry:
         return cls(bits, slab_rows, slab_words, words_per_chunk, words_per_chunk // 32)
 
 
+def bit_spread(moves: tuple) -> tuple[int, int, int, int] | None:
+    """One slot's `e2m1_moves` as a single multiply, where that is shorter: (right, gather,
+    multiplier, mask) such that ``((word >> right) & gather) * multiplier & mask`` moves
+    every piece at once (shift right by the largest right move, then one copy of the
+    gathered bits per left move, the multiplier's bits). Four instructions at most
+    against two a moving piece; None where it saves nothing, or where two copies of the
+    gathered bits would meet (a carry could reach a kept bit)."""
+    if len(moves) < 2:
+        return None
+    right = max(0, *(r - l for l, r, _ in moves))
+    lefts = [l - r + right for l, r, _ in moves]
+    gather = sum(mask >> left for left, (_, _, mask) in zip(lefts, moves))
+    copies = [bit + left for left in set(lefts) for bit in range(32) if gather >> bit & 1 and bit + left < 32]
+    if len(copies) != len(set(copies)) or 3 + (right > 0) >= move_instructions(moves, spread=False):
+        return None
+    return right, gather, sum(1 << left for left in set(lefts)), sum(mask for _, _, mask in moves)
+
+
+def move_instructions(moves: tuple, spread: bool = True) -> int:
+    """Integer instructions that turn one slot of a word into half bits: a shift and a
+    `lop3` per moving piece, a `lop3` per piece that stays; or `bit_spread`'s shift,
+    two masks and a multiply."""
+    found = bit_spread(moves) if spread else None
+    if found is not None:
+        return 3 + (found[0] > 0)
+    return sum(1 + (left > 0 or right > 0) for left, right, _ in moves)
+
+
 def _bit_mover(moves: tuple, and_or):
-    """Device function word -> the bits `moves` select, moved: one (left, right, mask)
-    shift and `and_or` each (a zero shift costs nothing once compiled)."""
+    """Device function word -> the bits `moves` select, moved: by `bit_spread`'s multiply
+    where it is shorter, else one (left, right, mask) shift and `and_or` each (a zero
+    shift costs nothing once compiled)."""
+    spread = bit_spread(moves)
+    if spread is not None:
+        right, gather, multiplier, mask = (uint32(value) for value in spread)
+
+        @device
+        def spread_bits(word):  # 64-bit product (no wrap in the simulator); the GPU keeps 32 bits
+            return uint32((uint64((word >> right) & gather) * multiplier) & mask)
+
+        return spread_bits
+    return _bit_chain(moves, and_or)
+
+
+def _bit_chain(moves: tuple, and_or):
+    """`_bit_mover`'s pieces one at a time."""
     if not moves:
         @device
         def no_bits(word):
             return uint32(0)
 
         return no_bits
-    (left, right, mask), rest = moves[0], _bit_mover(moves[1:], and_or)
+    (left, right, mask), rest = moves[0], _bit_chain(moves[1:], and_or)
     left, right, mask = uint32(left), uint32(right), uint32(mask)
 
     @device

@@ -13,8 +13,8 @@ from layouts.samples import random_quantized
 from layouts.strategies import spec_for
 from numba_kernels import interop
 from numba_kernels.align import moe_align_block_size
-from numba_kernels.fragments import (COPY_OFFSET_LIMIT, copy_offsets_fit, e2m1_moves, fast_path_supported, fragment_reader,
-                                     lane_scales)
+from numba_kernels.fragments import (COPY_OFFSET_LIMIT, bit_spread, copy_offsets_fit, e2m1_moves, fast_path_supported,
+                                     fragment_reader, lane_scales, move_instructions)
 from numba_kernels.gemm import GemmTile, grouped_gemm, prefill_supported, reference_grouped_gemm
 from numba_kernels.weights import KernelWeights
 
@@ -312,22 +312,41 @@ def test_nvfp4_fragments_are_exact_for_every_code_and_the_extreme_block_scales(h
     np.testing.assert_array_equal(out.float().cpu().numpy(), dense.T)
 
 
+@pytest.mark.parametrize("places, half", [(formats.NVFP4_PLACES, "bfloat16"), (formats.NVFP4_PLACES, "float16"),
+                                          (None, "bfloat16")], ids=["placed-bfloat16", "placed-float16", "in_order-bfloat16"])
+def test_bit_spread_moves_every_bit_as_the_pieces_do(places, half):
+    """`bit_spread`'s multiply gives the bits the shift-and-mask pieces give, for any word:
+    its copies never overlap, so no carry reaches a kept bit."""
+    words = np.random.default_rng(0).integers(0, 2 ** 32, 4096, dtype=np.uint64)
+    words[:2] = 0, 2 ** 32 - 1
+    spreads = 0
+    for moves in e2m1_moves(places, half):
+        pieces = sum(((words << left) & 0xFFFFFFFF) >> right & mask for left, right, mask in moves)
+        spread = bit_spread(moves)
+        if spread is not None:
+            right, gather, multiplier, mask = spread
+            np.testing.assert_array_equal((words >> right & gather) * multiplier & mask, pieces)
+            spreads += 1
+    assert spreads >= 1
+
+
 def test_native_nvfp4_places_three_codes_of_four_one_shift_and_mask_from_a_bfloat16():
     """`formats.NVFP4_PLACES` is what the tile reader is generated from: in bfloat16, slots
-    0..2 of each half move in one piece and slot 3 in three (two pieces a slot in sequence),
-    11 instructions a word instead of 15; float16 takes 16 instead of 15. A placement that
-    splits a code across halves, or moves the two halves differently, is read through the
-    index maps instead."""
+    0..2 of each half move in one piece and slot 3 in three, which one multiply moves at
+    once (`bit_spread`): 9 instructions a word instead of 15; float16 takes 14. A placement
+    that splits a code across halves, or moves the two halves differently, is read through
+    the index maps instead."""
     def pieces(places, half):
         return [len(moves) for moves in e2m1_moves(places, half)]
 
-    def instructions(places, half):  # a lop3 a piece, a shift a piece that moves
-        return sum(1 + (left > 0 or right > 0) for moves in e2m1_moves(places, half) for left, right, _ in moves)
+    def instructions(places, half):
+        return sum(move_instructions(moves) for moves in e2m1_moves(places, half))
 
     assert pieces(formats.NVFP4_PLACES, "bfloat16") == [1, 1, 1, 3]
     assert pieces(None, "bfloat16") == pieces(None, "float16") == [2, 2, 2, 2]
-    assert instructions(formats.NVFP4_PLACES, "bfloat16") == 11 and instructions(None, "bfloat16") == 15
-    assert instructions(formats.NVFP4_PLACES, "float16") == 16 and instructions(None, "float16") == 15
+    assert [bit_spread(moves) is not None for moves in e2m1_moves(formats.NVFP4_PLACES, "bfloat16")] == [0, 0, 0, 1]
+    assert instructions(formats.NVFP4_PLACES, "bfloat16") == 9 and instructions(None, "bfloat16") == 13
+    assert instructions(formats.NVFP4_PLACES, "float16") == 14 and instructions(None, "float16") == 15
     straddling = (16,) + tuple(range(1, 16)) + (0,) + tuple(range(17, 32))
     assert e2m1_moves(straddling, "bfloat16") is None
     assert e2m1_moves(tuple(range(16)) + tuple(range(16, 32))[::-1], "bfloat16") is None
