@@ -321,19 +321,21 @@ def bit_spread(moves: tuple) -> tuple[int, int, int, int] | None:
     lefts = [l - r + right for l, r, _ in moves]
     gather = sum(mask >> left for left, (_, _, mask) in zip(lefts, moves))
     copies = [bit + left for left in set(lefts) for bit in range(32) if gather >> bit & 1 and bit + left < 32]
-    if len(copies) != len(set(copies)) or 3 + (right > 0) >= move_instructions(moves, spread=False):
+    if len(copies) != len(set(copies)) or 3 + (right > 0) >= _piece_instructions(moves):
         return None
     return right, gather, sum(1 << left for left in set(lefts)), sum(mask for _, _, mask in moves)
 
 
-def move_instructions(moves: tuple, spread: bool = True) -> int:
-    """Integer instructions that turn one slot of a word into half bits: a shift and a
-    `lop3` per moving piece, a `lop3` per piece that stays; or `bit_spread`'s shift,
-    two masks and a multiply."""
-    found = bit_spread(moves) if spread else None
-    if found is not None:
-        return 3 + (found[0] > 0)
+def _piece_instructions(moves: tuple) -> int:
+    """A shift and a `lop3` per moving piece, a `lop3` per piece that stays."""
     return sum(1 + (left > 0 or right > 0) for left, right, _ in moves)
+
+
+def move_instructions(moves: tuple) -> int:
+    """Integer instructions that turn one slot of a word into half bits: the pieces', or
+    `bit_spread`'s shift, two masks and multiply where it takes that."""
+    spread = bit_spread(moves)
+    return _piece_instructions(moves) if spread is None else 3 + (spread[0] > 0)
 
 
 def _bit_mover(moves: tuple, and_or):
