@@ -450,7 +450,9 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                 for mt in range(m_tiles):
                     for half_rows in range(row_halves):
                         slot = slots[first_row + 16 * mt + g + 8 * half_rows]
-                        row = slot // rows_div if slot < num_slots else (0 if flat_a else -1)
+                        # 32-bit unsigned: Numba's int64 floor division is a call to a 64-bit divide
+                        in_use = 0 <= slot < num_slots
+                        row = int32(uint32(slot) // uint32(rows_div)) if in_use else (0 if flat_a else -1)
                         rows[mt, half_rows] = int64(row) * pairs_per_row + t if flat_a else row
                 a_raw_a = cuda.local.array((depth, m_tiles, 4), uint32)
                 a_raw_b = cuda.local.array((depth, m_tiles, 4), uint32)
