@@ -369,7 +369,10 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         expert = expert_ids[block]
         slots = cuda.shared.array(block_m, int32)
         held = 0  # bit mt: this thread staged a slot (not padding) of m tile mt
-        for i in range(tid, block_m, threads):
+        for r in range(-(-block_m // threads)):  # a constant count (one pass where threads >= block_m), in 32 bits
+            i = tid + r * threads
+            if i >= block_m:
+                break
             position = block * block_m + i
             slot = num_slots
             if position < sorted_ids.shape[0]:
