@@ -258,7 +258,7 @@ def global_scale_reader(spec: QuantSpec):
 
     @device
     def global_multiplier(global_scale, e):
-        stored = float32(global_scale[e % global_scale.shape[0]])
+        stored = float32(global_scale[uint32(e) % uint32(global_scale.shape[0])])  # e >= 0: a 32-bit remainder
         return stored if reciprocal_stored else float32(1.0) / stored
 
     return global_multiplier
