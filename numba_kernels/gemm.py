@@ -361,8 +361,11 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                      num_slots, rows_div):
         if not early_weights:
             wait_for_previous()  # the alignment and act are final from here
-        block, column = (cuda.blockIdx.y, cuda.blockIdx.x) if chunks_first else (cuda.blockIdx.x, cuda.blockIdx.y)
-        tid = cuda.threadIdx.x
+        # Thread and block indices are unsigned 32-bit: as Numba's signed ints, every index,
+        # division and remainder derived from them carried a sign's fix-up and a high word.
+        grid_x, grid_y = uint32(cuda.blockIdx.x), uint32(cuda.blockIdx.y)
+        block, column = (grid_y, grid_x) if chunks_first else (grid_x, grid_y)
+        tid = uint32(cuda.threadIdx.x)
         # The block's expert and slots are loaded beside the count of blocks in use, not
         # after it: one round trip to memory before the weights' addresses are known, not
         # two (past the count the loads read stale ids that are never used).
@@ -394,7 +397,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         # The CTA's chunks: warps_n in a row, or (paired) gate chunks and their up chunks.
         gate_chunk, is_up = column * half_n + wn % half_n, wn >= half_n
         chunk = gate_chunk + up_chunks * int32(is_up) if paired else column * warps_n + wn
-        split = cuda.blockIdx.z
+        split = uint32(cuda.blockIdx.z)
         if a_in_shared:
             stage_buffers = cuda.shared.array(0, uint32)  # dynamic (stage_buffer_bytes), 16-byte aligned
             a_tiles = stage_buffers[:a_stage_words]  # stages x block_m x row_words, by flat offsets
