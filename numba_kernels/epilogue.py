@@ -42,7 +42,7 @@ import functools
 
 import attrs
 import torch
-from numba import cuda, float32, int16, int32, int64
+from numba import cuda, float32, int16, int32, int64, uint32
 
 from . import interop
 from .activation import Activation, _pointwise
@@ -207,10 +207,10 @@ def make_finisher(kind: tuple, n: int, block_m: int, block_n: int, split_k: int,
         cuda.syncthreads()
         columns = -(-n // block_n)
         if tid < block_m:
-            slot = slots[tid]
+            slot = uint32(slots[tid])  # unsigned: a slot in use is below num_slots, its token a 32-bit division
             finished = 0
-            if slot < num_slots:
-                counter = (slot // top_k) * columns + column
+            if slot < uint32(num_slots):
+                counter = slot // uint32(top_k) * uint32(columns) + column
                 if arrive(arrivals, counter) == expected - 1:
                     arrivals[counter] = 0
                     finished = 1
@@ -222,16 +222,16 @@ def make_finisher(kind: tuple, n: int, block_m: int, block_n: int, split_k: int,
                 total[i, q] = ZERO
                 c = column * block_n + tid + q * threads
                 if last[i] and tid + q * threads < block_n and c < n:
-                    token = slots[i] // top_k
+                    first = uint32(slots[i]) // uint32(top_k) * uint32(top_k)  # the token's first slot
                     for j in range(top_k):
                         slot_sum = ZERO
                         for s in range(split_k):
-                            slot_sum += partial(partials, s, token * top_k + j, c)
-                        total[i, q] += topk_weights[token * top_k + j] * slot_sum
+                            slot_sum += partial(partials, s, first + uint32(j), c)
+                        total[i, q] += topk_weights[first + uint32(j)] * slot_sum
         for i in range(block_m):
             for q in range(columns_per_thread):
                 c = column * block_n + tid + q * threads
                 if last[i] and tid + q * threads < block_n and c < n:
-                    out[slots[i] // top_k, c] = int16(encode(total[i, q]))
+                    out[uint32(slots[i]) // uint32(top_k), c] = int16(encode(total[i, q]))
 
     return finish_combine

@@ -542,7 +542,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                     if slot < num_slots:
                         weight = multiplier
                         if mul_routed_weight:
-                            weight *= topk_weights[slot]
+                            weight *= topk_weights[uint32(slot)]
                         if partial_output:  # one row address per slot, unsigned column offsets
                             row = out[split, uint32(slot)]
                         else:
