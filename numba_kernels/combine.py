@@ -26,7 +26,7 @@ import functools
 
 import numpy as np
 import torch
-from numba import cuda, float32
+from numba import cuda, float32, uint32
 
 from . import interop
 from .rows import (DTYPE_NAMES, ONE, ZERO, as_float64, check_partials, chunk_reader, chunk_size, chunk_writer, launch_rows,
@@ -45,13 +45,15 @@ def make_combine_kernel(source: str, target: str, vectorized: bool, weights_appl
 
     @kernel
     def combine_kernel(expert_out, topk_weights, out, width):
+        # Indices before the wait, unsigned 32-bit (see activation's kernel).
+        col = uint32((uint32(cuda.blockIdx.x) * uint32(cuda.blockDim.x) + uint32(cuda.threadIdx.x)) * chunk)
+        token, tokens, token_step = uint32(cuda.blockIdx.y), uint32(topk_weights.shape[0]), uint32(cuda.gridDim.y)
         wait_for_previous()  # launched early (rows.launch_rows): the partials are final from here
         slot_sum = cuda.local.array(chunk, float32)
         total = cuda.local.array(chunk, float32)
-        col = (cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x) * chunk
-        if col >= width:
+        if col >= uint32(width):
             return
-        for token in range(cuda.blockIdx.y, topk_weights.shape[0], cuda.gridDim.y):
+        while token < tokens:
             for v in range(chunk):
                 total[v] = ZERO
             for j in range(top_k):
@@ -63,6 +65,7 @@ def make_combine_kernel(source: str, target: str, vectorized: bool, weights_appl
                 for v in range(chunk):
                     total[v] += weight * slot_sum[v]
             write(out, token, col, width, total)
+            token = uint32(token + token_step)
 
     return combine_kernel
 
