@@ -307,6 +307,15 @@ def make_routed_aligner(num_experts: int, block_size: int, top_k: int, threads: 
         return s
 
     @ptx.device
+    def fill(array, first, end, step, value):
+        """array[i] = value for i = first, first + step, ... below end, counted in 32 bits:
+        Numba's range loops carry a 64-bit count and index through every iteration."""
+        i, stop = u(first), u(end)
+        while i < stop:
+            array[i] = value
+            i = u(i + u(step))
+
+    @ptx.device
     def align_routed(slot_ids, n, expert_map, sorted_ids, expert_ids, num_post, padded_len, block_count):
         token_mask = cuda.shared.array(experts, uint32)  # bit t: token t chose the expert
         inclusive = cuda.shared.array(experts, int32)  # inclusive prefix of padded counts in a scan chunk
@@ -331,21 +340,18 @@ def make_routed_aligner(num_experts: int, block_size: int, top_k: int, threads: 
         cuda.syncthreads()
         if x >= 0:
             earlier = token_mask[x] & ((u(1) << token) - u(1))
-            sorted_ids[offset_of(inclusive, token_mask, u(x)) + cuda.popc(earlier)] = int32(tid)
+            sorted_ids[u(offset_of(inclusive, token_mask, u(x)) + cuda.popc(earlier))] = int32(tid)
         total = int32(0)
         for c in range(scan_chunks):
             total += inclusive[min(c * SCAN_CHUNK + SCAN_CHUNK - 1, experts - 1)]
         if tid < experts:  # the expert's blocks and its padding
             start, count = offset_of(inclusive, token_mask, tid), cuda.popc(token_mask[tid])
             size = padded_count(token_mask[tid])
-            for q in range(u(start) // u(block_size), u(start + size) // u(block_size)):
-                expert_ids[q] = expert_map[tid] if mapped else int32(tid)
-            for p in range(start + count, start + size):
-                sorted_ids[p] = n
-        for q in range(total // block_size + int32(tid), block_count, threads):
-            expert_ids[q] = -1
-        for p in range(total + int32(tid), padded_len, threads):
-            sorted_ids[p] = n
+            fill(expert_ids, u(start) // u(block_size), u(start + size) // u(block_size), 1,
+                 expert_map[tid] if mapped else int32(tid))
+            fill(sorted_ids, start + count, start + size, 1, n)
+        fill(expert_ids, u(total) // u(block_size) + tid, block_count, threads, -1)
+        fill(sorted_ids, u(total) + tid, padded_len, threads, n)
         if tid == 0:
             num_post[0] = total
 
