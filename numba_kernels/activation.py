@@ -34,8 +34,8 @@ import torch
 from numba import cuda, float32, uint32
 
 from .ptx import device, divide_approx, exp_approx, kernel, release_next, wait_for_previous
-from .rows import (DTYPE_NAMES, ONE, ZERO, as_float64, check_partials, chunk_reader, chunk_size, chunk_writer, launch_rows,
-                   output_tensor, source_array, target_array, vectorizable)
+from .rows import (DTYPE_NAMES, ONE, ZERO, as_float64, check_partials, chunk_reader, chunk_size, chunk_writer,
+                   grid_position, launch_rows, output_tensor, source_array, target_array, vectorizable)
 
 NAMES = ("silu", "gelu", "gelu_tanh", "relu", "swigluoai")
 
@@ -158,10 +158,7 @@ def make_activation_kernel(activation: Activation, source: str, target: str, vec
         # The layer's gemm2 may launch now: its CTAs read their routing and first weights
         # while this short kernel runs, and wait for it before reading its output.
         release_next()
-        # Indices before the wait (they overlap gemm1's tail) and unsigned 32-bit: as
-        # Numba's signed 64-bit ints, the rows' grid-stride loop divided for its trip count.
-        col = uint32((uint32(cuda.blockIdx.x) * uint32(cuda.blockDim.x) + uint32(cuda.threadIdx.x)) * chunk)
-        row, rows, row_step = uint32(cuda.blockIdx.y), uint32(gate_up.shape[1]), uint32(cuda.gridDim.y)
+        col, row, rows, row_step = grid_position(chunk, gate_up.shape[1])
         wait_for_previous()  # launched early (rows.launch_rows): the partials are final from here
         x = cuda.local.array(inputs, float32)
         y = cuda.local.array(chunk, float32)

@@ -29,8 +29,8 @@ import torch
 from numba import cuda, float32, uint32
 
 from . import interop
-from .rows import (DTYPE_NAMES, ONE, ZERO, as_float64, check_partials, chunk_reader, chunk_size, chunk_writer, launch_rows,
-                   output_tensor, source_array, target_array, vectorizable)
+from .rows import (DTYPE_NAMES, ONE, ZERO, as_float64, check_partials, chunk_reader, chunk_size, chunk_writer,
+                   grid_position, launch_rows, output_tensor, source_array, target_array, vectorizable)
 from .ptx import kernel, wait_for_previous
 
 
@@ -45,9 +45,7 @@ def make_combine_kernel(source: str, target: str, vectorized: bool, weights_appl
 
     @kernel
     def combine_kernel(expert_out, topk_weights, out, width):
-        # Indices before the wait, unsigned 32-bit (see activation's kernel).
-        col = uint32((uint32(cuda.blockIdx.x) * uint32(cuda.blockDim.x) + uint32(cuda.threadIdx.x)) * chunk)
-        token, tokens, token_step = uint32(cuda.blockIdx.y), uint32(topk_weights.shape[0]), uint32(cuda.gridDim.y)
+        col, token, tokens, token_step = grid_position(chunk, topk_weights.shape[0])
         wait_for_previous()  # launched early (rows.launch_rows): the partials are final from here
         slot_sum = cuda.local.array(chunk, float32)
         total = cuda.local.array(chunk, float32)

@@ -12,7 +12,7 @@ import functools
 
 import numpy as np
 import torch
-from numba import float32, int16, int32, uint32
+from numba import cuda, float32, int16, int32, uint32
 
 from . import interop
 from .launch import launch_kernel
@@ -184,11 +184,21 @@ def target_array(out: torch.Tensor, vectorized: bool):
     return interop.to_kernel(out.view(torch.int32) if pairs else out)
 
 
+@device
+def grid_position(chunk, rows):
+    """(col, first row, rows, row step) of this thread in the grid of `launch_rows`, all
+    unsigned 32-bit: a row kernel reads them before its wait and walks its rows with a
+    `while` loop (as Numba's signed 64-bit ints, a grid-stride `range` divided for its
+    trip count, a call to a 64-bit divide)."""
+    col = uint32((uint32(cuda.blockIdx.x) * uint32(cuda.blockDim.x) + uint32(cuda.threadIdx.x)) * chunk)
+    return col, uint32(cuda.blockIdx.y), uint32(rows), uint32(cuda.gridDim.y)
+
+
 def launch_rows(row_kernel, rows: int, width: int, chunk: int, *args) -> None:
     """Launch a chunked row kernel over rows x width outputs on torch's stream. Few rows
     (decode) get blocks of down to MIN_BLOCK threads, so even one row spreads over several
-    SMs instead of queueing its loads on one. A row kernel starts with
-    `ptx.wait_for_previous`, so a replay may launch it early (`launch`)."""
+    SMs instead of queueing its loads on one. A row kernel calls `ptx.wait_for_previous`
+    before it reads its input, so a replay may launch it early (`launch`)."""
     chunks = -(-width // chunk)
     per_block = -(-chunks * rows // SPREAD_BLOCKS)
     block = min(BLOCK, -(-chunks // 32) * 32, max(MIN_BLOCK, -(-per_block // 32) * 32))
