@@ -321,9 +321,14 @@ def bit_spread(moves: tuple) -> tuple[int, int, int, int] | None:
     lefts = [l - r + right for l, r, _ in moves]
     gather = sum(mask >> left for left, (_, _, mask) in zip(lefts, moves))
     copies = [bit + left for left in set(lefts) for bit in range(32) if gather >> bit & 1 and bit + left < 32]
-    if len(copies) != len(set(copies)) or 3 + (right > 0) >= _piece_instructions(moves):
+    if len(copies) != len(set(copies)) or _spread_instructions(right) >= _piece_instructions(moves):
         return None
     return right, gather, sum(1 << left for left in set(lefts)), sum(mask for _, _, mask in moves)
+
+
+def _spread_instructions(right: int) -> int:
+    """`bit_spread`'s mask, multiply and mask, and a shift where it moves right."""
+    return 3 + (right > 0)
 
 
 def _piece_instructions(moves: tuple) -> int:
@@ -335,7 +340,7 @@ def move_instructions(moves: tuple) -> int:
     """Integer instructions that turn one slot of a word into half bits: the pieces', or
     `bit_spread`'s shift, two masks and multiply where it takes that."""
     spread = bit_spread(moves)
-    return _piece_instructions(moves) if spread is None else 3 + (spread[0] > 0)
+    return _piece_instructions(moves) if spread is None else _spread_instructions(spread[0])
 
 
 def _bit_mover(moves: tuple, and_or):
