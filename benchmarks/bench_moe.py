@@ -88,13 +88,16 @@ class Timer:
         else:
             self.flush_buffer.zero_()
 
-    def __call__(self, fn, repeats: int = 30, flush: bool = True) -> float:
+    def __call__(self, fn, repeats: int = 30, flush: bool = True, prepare=None) -> float:
+        """`prepare`, if given, runs after each flush, outside the timed span."""
         for _ in range(3):
             fn()
         times = []
         for _ in range(repeats):
             if flush:
                 self.flush()
+            if prepare is not None:
+                prepare()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
@@ -158,6 +161,22 @@ class TorchReference:
         gate_up = torch._grouped_mm(self.x, self.w13.transpose(-2, -1), offs=self.offsets)
         y = torch.nn.functional.silu(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:]
         torch._grouped_mm(y, self.w2.transpose(-2, -1), offs=self.offsets)
+
+
+def routed_batches(shapes, formats, tokens, generator: torch.Generator):
+    """(shape, format name, M, layer, hidden, topk_weights, topk_ids) for every shape,
+    format and token count: one layer per shape and format, its weights random bits, and a
+    fresh batch and routing per token count (the decode bounds' rows)."""
+    for shape in shapes:
+        for format_name in formats:
+            layer = MoELayer(MoEConfig(**SHAPES[shape], quant=FORMATS[format_name]), max_tokens=max(tokens))
+            layer.weights.fill_random(seed=1)
+            for count in tokens:
+                hidden = torch.randn(count, layer.config.hidden_size, generator=generator, device="cuda")
+                _, topk_weights, topk_ids = routing_for(layer.config, count, generator)
+                yield shape, format_name, count, layer, hidden.to(torch.bfloat16), topk_weights, topk_ids
+            del layer
+            torch.cuda.empty_cache()
 
 
 def captured(fn):

@@ -8,17 +8,16 @@ such a prefetch can do is every byte already in the L2 when the GEMM starts, whi
 times: the two GEMMs in sequence (the benchmark's GEMMs column), then gemm2 alone, each
 with the L2 flushed as `bench_moe` flushes it and then, outside the timed span, the
 touched experts' gemm2 weights (w2), gemm1 weights (w13) or both read back into it.
-Only shapes whose touched weights fit the L2 can gain (Qwen3 at M <= 4).
+Only shapes whose touched weights fit the L2 can gain (Qwen3 at M = 1). BENCHMARKS.md,
+fifty-ninth session.
 """
 
 import argparse
-import statistics
 
 import torch
 
 import numba_kernels  # noqa: F401  (before numba: no simulator on a GPU machine)
-from bench_moe import FORMATS, SHAPES, Timer, captured, layer_gemms, routing_for
-from moe import MoEConfig, MoELayer
+from bench_moe import FORMATS, SHAPES, Timer, captured, layer_gemms, routed_batches
 from numba_kernels.launch import replaying
 
 
@@ -30,23 +29,18 @@ def expert_slices(stored, experts: torch.Tensor) -> list[torch.Tensor]:
             for e in experts.tolist()]
 
 
-def timed(run, timer: Timer, warm=(), repeats: int = 30) -> float:
-    """Median us of `run` with the L2 flushed, then `warm`'s tensors read back into it."""
-    for _ in range(3):
-        run()
-    times = []
-    for _ in range(repeats):
-        timer.flush()
-        for t in warm:
+def holding(tensors):
+    """A Timer `prepare` that reads `tensors` into the L2, then has the GPU wait a while:
+    without the wait, a chain of small reads lets the GPU catch up with the host, and the
+    timed span would include the host's launch of the graph (15.9 -> 19.9 us, where a
+    single large flush leaves the host ahead)."""
+
+    def prepare():
+        for t in tensors:
             t.sum()
-        torch.cuda._sleep(200_000)  # the GPU waits, so the host's launches are queued before the start
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times) * 1e3
+        torch.cuda._sleep(200_000)
+
+    return prepare
 
 
 def main(argv=None) -> None:
@@ -59,31 +53,23 @@ def main(argv=None) -> None:
     generator = torch.Generator(device="cuda").manual_seed(0)
     print(f"{torch.cuda.get_device_name()}; us, L2 flushed, then holding: nothing / w2 / w13 / both (GEMMs in "
           "sequence); nothing / w2 (gemm2 alone)")
-    for shape in args.shapes:
-        for format_name in args.formats:
-            layer = MoELayer(MoEConfig(**SHAPES[shape], quant=FORMATS[format_name]), max_tokens=max(args.tokens))
-            layer.weights.fill_random(seed=1)
-            for tokens in args.tokens:
-                config = layer.config
-                hidden = torch.randn(tokens, config.hidden_size, generator=generator, device="cuda").to(torch.bfloat16)
-                _, topk_weights, topk_ids = routing_for(config, tokens, generator)
-                launch1, launch2, _ = layer_gemms(layer, hidden, topk_weights, topk_ids)
-                gemm1, gemm2 = replaying(launch1), replaying(launch2)
+    for shape, format_name, tokens, layer, hidden, topk_weights, topk_ids in routed_batches(
+            args.shapes, args.formats, args.tokens, generator):
+        launch1, launch2, _ = layer_gemms(layer, hidden, topk_weights, topk_ids)
+        gemm1, gemm2 = replaying(launch1), replaying(launch2)
 
-                def in_sequence():
-                    gemm1()
-                    gemm2()
+        def in_sequence():
+            gemm1()
+            gemm2()
 
-                experts = torch.unique(topk_ids).long()
-                w13, w2 = expert_slices(layer.weights.w13, experts), expert_slices(layer.weights.w2, experts)
-                both, alone = captured(in_sequence), captured(gemm2)
-                times = [timed(both, timer, warm) for warm in ((), w2, w13, w13 + w2)]
-                times += [timed(alone, timer, warm) for warm in ((), w2)]
-                megabytes = [sum(t.nbytes for t in ts) / 1e6 for ts in (w13, w2)]
-                print(f"{shape:8s} {format_name:11s} M={tokens:3d} (w13 {megabytes[0]:.1f} MB, w2 {megabytes[1]:.1f} MB) "
-                      + " ".join(f"{t:7.1f}" for t in times), flush=True)
-            del layer
-            torch.cuda.empty_cache()
+        experts = torch.unique(topk_ids).long()
+        w13, w2 = expert_slices(layer.weights.w13, experts), expert_slices(layer.weights.w2, experts)
+        both, alone = captured(in_sequence), captured(gemm2)
+        times = [timer(both, prepare=holding(warm)) for warm in ((), w2, w13, w13 + w2)]
+        times += [timer(alone, prepare=holding(warm)) for warm in ((), w2)]
+        megabytes = [sum(t.nbytes for t in ts) / 1e6 for ts in (w13, w2)]
+        print(f"{shape:8s} {format_name:11s} M={tokens:3d} (w13 {megabytes[0]:.1f} MB, w2 {megabytes[1]:.1f} MB) "
+              + " ".join(f"{t * 1e3:7.1f}" for t in times), flush=True)
 
 
 if __name__ == "__main__":

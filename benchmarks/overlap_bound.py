@@ -16,8 +16,7 @@ import argparse
 import torch
 
 import numba_kernels  # noqa: F401  (before numba: no simulator on a GPU machine)
-from bench_moe import FORMATS, SHAPES, Timer, captured, gemm_bytes, layer_gemms, routing_for
-from moe import MoEConfig, MoELayer
+from bench_moe import FORMATS, SHAPES, Timer, captured, gemm_bytes, layer_gemms, routed_batches
 from numba_kernels.launch import replaying
 from reads import PlainReads
 
@@ -32,38 +31,29 @@ def main(argv=None) -> None:
     generator = torch.Generator(device="cuda").manual_seed(0)
     print(f"{torch.cuda.get_device_name()}; us: in sequence, concurrent (no dependency), gemm1 alone, gemm2 alone, "
           "plain reads in two kernels, in one")
-    for shape in args.shapes:
-        for format_name in args.formats:
-            layer = MoELayer(MoEConfig(**SHAPES[shape], quant=FORMATS[format_name]), max_tokens=max(args.tokens))
-            layer.weights.fill_random(seed=1)
-            for tokens in args.tokens:
-                config = layer.config
-                hidden = torch.randn(tokens, config.hidden_size, generator=generator, device="cuda").to(torch.bfloat16)
-                _, topk_weights, topk_ids = routing_for(config, tokens, generator)
-                # The functions keep what the replays read alive (a `Replay` holds addresses only).
-                launch1, launch2, _ = layer_gemms(layer, hidden, topk_weights, topk_ids, own_counters=True)
-                gemm1, gemm2 = replaying(launch1), replaying(launch2)
-                byte_counts = gemm_bytes(layer, int(torch.unique(topk_ids).numel()))
+    for shape, format_name, tokens, layer, hidden, topk_weights, topk_ids in routed_batches(
+            args.shapes, args.formats, args.tokens, generator):
+        # The functions keep what the replays read alive (a `Replay` holds addresses only).
+        launch1, launch2, _ = layer_gemms(layer, hidden, topk_weights, topk_ids, own_counters=True)
+        gemm1, gemm2 = replaying(launch1), replaying(launch2)
+        byte_counts = gemm_bytes(layer, int(torch.unique(topk_ids).numel()))
 
-                def in_sequence():
-                    gemm1()
-                    gemm2()
+        def in_sequence():
+            gemm1()
+            gemm2()
 
-                def concurrent():
-                    main_stream = torch.cuda.current_stream()
-                    side.wait_stream(main_stream)
-                    gemm1()
-                    with torch.cuda.stream(side):
-                        gemm2()
-                    main_stream.wait_stream(side)
+        def concurrent():
+            main_stream = torch.cuda.current_stream()
+            side.wait_stream(main_stream)
+            gemm1()
+            with torch.cuda.stream(side):
+                gemm2()
+            main_stream.wait_stream(side)
 
-                reads = [PlainReads(byte_counts), PlainReads([sum(byte_counts)])]  # their buffers stay alive
-                runs = (in_sequence, concurrent, gemm1, gemm2, *map(replaying, reads))
-                times = [timer(captured(run)) * 1e3 for run in runs]
-                print(f"{shape:8s} {format_name:11s} M={tokens:3d} " + " ".join(f"{t:7.1f}" for t in times), flush=True)
-            del layer
-            torch.cuda.empty_cache()
-
+        reads = [PlainReads(byte_counts), PlainReads([sum(byte_counts)])]  # their buffers stay alive
+        runs = (in_sequence, concurrent, gemm1, gemm2, *map(replaying, reads))
+        times = [timer(captured(run)) * 1e3 for run in runs]
+        print(f"{shape:8s} {format_name:11s} M={tokens:3d} " + " ".join(f"{t:7.1f}" for t in times), flush=True)
 
 if __name__ == "__main__":
     main()
