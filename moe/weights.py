@@ -95,6 +95,7 @@ class ExpertWeights:
         config = self.config
         if not 0 <= expert < config.num_local_experts:
             raise IndexError(f"expert must lie in [0, {config.num_local_experts}), got {expert}")
+        self._check_mappings(w1, w2, w3)
         h, i = config.hidden_size, config.intermediate_size
         if config.activation.gated and w3 is None:
             raise ValueError(f"a gated activation ({config.activation.name}) needs w3 (the up projection)")
@@ -107,6 +108,15 @@ class ExpertWeights:
             self._convert("w3", w3, (i, h), self._w13, expert, dst_rows=gate_up, row_offset=i)
         self._convert("w2", w2, (h, i), self._w2, expert, dst_rows=h)
         self.loaded[expert] = True
+
+    def _check_mappings(self, w1, w2, w3) -> None:
+        """Each projection comes as the checkpoint's tensors by name: a bare tensor (a dense
+        weight, or only the packed codes) has no scales to convert with."""
+        spec = self.checkpoint_spec
+        for role, physical in (("w1", w1), ("w2", w2), ("w3", w3)):
+            if physical is not None and not isinstance(physical, Mapping):
+                raise TypeError(f"{role} must map the checkpoint's tensor names to tensors ({spec.name}: "
+                                f"{spec.weight.name!r}, {spec.scales.name!r}, ...), got {type(physical).__name__}")
 
     def _check_shared_global_scale(self, expert: int, w1: Mapping, w3: Mapping | None) -> None:
         """The kernel layout keeps one NVFP4 global scale per expert for [w1; w3]: checkpoint
@@ -128,6 +138,7 @@ class ExpertWeights:
     def load_stacked(self, w1: Mapping, w2: Mapping, w3: Mapping | None = None) -> None:
         """`load` from stacked checkpoint tensors (leading expert axis), one expert at a time,
         then drop the scratch."""
+        self._check_mappings(w1, w2, w3)
         shape_name = self.checkpoint_spec.shape_name
 
         def expert_slice(physical: Mapping | None, expert: int):

@@ -179,6 +179,21 @@ def test_unloaded_experts_are_reported():
         layer(hidden.to(DEVICE), logits.to(DEVICE))
 
 
+def test_weights_must_come_as_named_tensors():
+    """A bare tensor (a dense weight, or the packed codes alone) is refused with the names
+    the checkpoint format expects, by both ways of loading, before anything is converted."""
+    config = MoEConfig(**TINY, quant=QuantScheme("gptq", group_size=32))
+    layer = MoELayer(config, max_tokens=2)
+    checkpoint = random_checkpoint(config, np.random.default_rng(0))
+    dense = torch.zeros(4, 64, 64)
+    with pytest.raises(TypeError, match=r"w2 must map the checkpoint's tensor names .*'qweight', 'scales'.*got Tensor"):
+        layer.load_weights(checkpoint.w1, dense, checkpoint.w3)
+    one = {name: value[0] for name, value in checkpoint.w1.items()}
+    with pytest.raises(TypeError, match="w3 must map the checkpoint's tensor names"):
+        layer.load_weights(experts=[(0, one, one, dense[0])])
+    assert not layer.weights.loaded.any()
+
+
 def test_workspace_grows_only_when_asked():
     config = MoEConfig(**TINY, quant=QuantScheme("gptq", group_size=32))
     workspace = Workspace(config, 2, config.quant.native_spec())
