@@ -280,8 +280,6 @@ def repack(src: KernelWeights, dst_spec: QuantSpec, *, out: dict | None = None,
     dst_rows = n + row_offset if dst_rows is None else dst_rows
     if row_offset < 0 or row_offset + n > dst_rows:
         raise ValueError(f"rows {row_offset}..{row_offset + n} do not fit a destination of {dst_rows} rows")
-    if dst_spec.g_idx_name is not None and (row_offset or dst_rows != n):
-        raise ValueError("act-order weights (g_idx per expert) cannot be assembled from row ranges")
     check_convertible(src.spec, dst_spec, (dst_rows, k))
     if experts is None:
         experts = range(held if out is None else _expert_count(dst_spec, out))
@@ -301,7 +299,7 @@ def repack(src: KernelWeights, dst_spec: QuantSpec, *, out: dict | None = None,
 
     if _folds_scale_signs(src.spec, dst_spec):
         _check_no_nan_scales(src, dst_spec, src_experts)
-    src_positions, dst_positions = _act_order(src, dst_spec, out, src_experts, dst_experts)
+    src_positions, dst_positions = _act_order(src, dst_spec, out, src_experts, dst_experts, first_rows=row_offset == 0)
     _global_scale(src, dst_spec, out, src_experts, dst_experts)
     if dst_spec.shape_name is not None:
         out[dst_spec.shape_name].copy_(torch.tensor([_expert_count(dst_spec, out), dst_rows, k], dtype=torch.int64))
@@ -386,9 +384,12 @@ def _check_no_nan_scales(src: KernelWeights, dst_spec: QuantSpec, src_experts) -
                          f"({dst_spec.scale_format!r} has no NaN)")
 
 
-def _act_order(src: KernelWeights, dst_spec: QuantSpec, out: dict, src_experts, dst_experts):
+def _act_order(src: KernelWeights, dst_spec: QuantSpec, out: dict, src_experts, dst_experts, first_rows: bool):
     """Write g_idx (and the sort indices of a K-sorted destination); return the (slots, K)
-    stored positions of each logical k in the source and the destination layouts."""
+    stored positions of each logical k in the source and the destination layouts. Rows
+    placed after others (`first_rows` False: up after gate in one [w1; w3] weight) keep the
+    g_idx those wrote, which must be theirs: one K order serves every row of an expert
+    (projections of one input share it, as GPTQ's act-order follows the input's Hessian)."""
     device = interop.kernel_device()
     stand_in = torch.zeros((1, 1), dtype=torch.int32, device=device)
     if dst_spec.g_idx_name is None:
@@ -401,12 +402,19 @@ def _act_order(src: KernelWeights, dst_spec: QuantSpec, out: dict, src_experts, 
         order = k_order[src_experts % k_order.shape[0]].long()
         group_of_k = torch.empty_like(group_of_k).scatter_(1, order, group_of_k)
         src_positions = torch.empty_like(logical_k).scatter_(1, order, logical_k)
+    stored = {}
     if dst_spec.sort_k_by_group:
         order = torch.argsort(group_of_k, dim=1, stable=True)
-        out[dst_spec.sort_indices_name][dst_experts] = order
+        stored[dst_spec.sort_indices_name] = order
         dst_positions = torch.empty_like(logical_k).scatter_(1, order, logical_k)
         group_of_k = torch.gather(group_of_k, 1, order)
-    out[dst_spec.g_idx_name][dst_experts] = group_of_k
+    stored[dst_spec.g_idx_name] = group_of_k
+    for name, value in stored.items():
+        if first_rows:
+            out[name][dst_experts] = value
+        elif not torch.equal(out[name][dst_experts], value.to(out[name].dtype)):
+            raise ValueError("act-order rows placed after others must have their g_idx (one K order per expert): "
+                             "the gate and up projections of an act-order checkpoint differ in g_idx")
     return src_positions, dst_positions
 
 

@@ -367,6 +367,27 @@ def test_gate_and_up_rows_repack_into_one_native_buffer():
     assert_same_bytes(out, dst_spec.pack(stacked), dst_spec, experts)
 
 
+def test_act_order_gate_and_up_rows_share_one_k_order():
+    """An act-order checkpoint's gate and up projections (one input, so one g_idx) repack
+    into rows [0, I) and [I, 2I) of one native w13 buffer as the stacked weight does at
+    once; an up projection with another g_idx is refused: one K order serves an expert."""
+    spec, dst_spec, experts, i, h = formats.gptq(4, 32, act_order=True), formats.native(4, 32, act_order=True), 2, 40, 64
+    stacked = random_quantized(spec, (experts, 2 * i, h), np.random.default_rng(13))
+
+    def rows(part: slice, g_idx=stacked.g_idx) -> KernelWeights:
+        q = Quantized(stacked.codes[:, part], stacked.scales[:, part], g_idx=g_idx)
+        return KernelWeights.from_physical(spec, spec.pack(q), q.codes.shape)
+
+    out = poisoned_destination(dst_spec, (experts, 2 * i, h))
+    for half in range(2):
+        repack(rows(slice(half * i, (half + 1) * i)), dst_spec, out=out, row_offset=half * i, dst_rows=2 * i,
+               zero_first=half == 0)
+    assert_same_bytes(out, dst_spec.pack(stacked), dst_spec, experts)
+    with pytest.raises(ValueError, match="one K order per expert"):
+        repack(rows(slice(i, 2 * i), g_idx=np.roll(stacked.g_idx, 1, axis=-1)), dst_spec, out=out, row_offset=i,
+               dst_rows=2 * i, zero_first=False)
+
+
 # -- realistic shapes on the GPU -----------------------------------------------------------------
 
 def timed_ms(run, repeats: int = 3) -> float:
