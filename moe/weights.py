@@ -136,16 +136,18 @@ class ExpertWeights:
             self.load_expert(expert, w1, w2, w3)
 
     def load_stacked(self, w1: Mapping, w2: Mapping, w3: Mapping | None = None) -> None:
-        """`load` from stacked checkpoint tensors (leading expert axis; an act-order g_idx
-        may also be one (K,) for every expert), one expert at a time, then drop the scratch."""
+        """`load` from stacked checkpoint tensors (leading expert axis; act-order's g_idx and
+        K sort indices may also be one (K,) for every expert), one expert at a time, then
+        drop the scratch."""
         self._check_mappings(w1, w2, w3)
-        shape_name, g_idx_name = self.checkpoint_spec.shape_name, self.checkpoint_spec.g_idx_name
+        spec = self.checkpoint_spec
+        orders = {spec.g_idx_name, spec.sort_indices_name} - {None}
 
         def expert_slice(physical: Mapping | None, expert: int):
             if physical is None:
                 return None
-            return {name: value if name == g_idx_name and np.ndim(value) == 1 else value[expert]
-                    for name, value in physical.items() if name != shape_name}
+            return {name: value if name in orders and np.ndim(value) == 1 else value[expert]
+                    for name, value in physical.items() if name != spec.shape_name}
 
         self.load((e, expert_slice(w1, e), expert_slice(w2, e), expert_slice(w3, e))
                   for e in range(self.config.num_local_experts))

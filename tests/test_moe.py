@@ -43,6 +43,7 @@ def _layer(config, seed=0, max_tokens=4):
     QuantScheme("gptq", bits=4, group_size=32), QuantScheme("awq", bits=4, group_size=64),
     QuantScheme("compressed_tensors", bits=8, group_size=None), QuantScheme("nvfp4", nvfp4_checkpoint="modelopt"),
     QuantScheme("gptq", bits=4, group_size=32, act_order=True),  # g_idx shared by the experts, (K,)
+    QuantScheme("marlin", bits=4, group_size=32, act_order=True),  # and the K sort indices
 ], ids=lambda q: q.format + ("_act_order" if q.act_order else ""))
 def test_layer_matches_the_float_reference_for_each_checkpoint_format(quant):
     config = MoEConfig(**TINY, quant=quant)
