@@ -31,6 +31,8 @@ class Quantized:
     def __attrs_post_init__(self):
         if self.codes.ndim not in (2, 3):
             raise ValueError(f"codes must be (N, K) or (E, N, K), got shape {self.codes.shape}")
+        if self.codes.dtype.kind not in "iu":
+            raise TypeError(f"codes must be integers (the stored codes, not dequantized values), got {self.codes.dtype}")
         if self.scales.shape[:-1] != self.codes.shape[:-1]:
             raise ValueError(f"scales must be shaped {self.codes.shape[:-1]} + (groups,), got {self.scales.shape}")
         if self.zeros is not None and self.zeros.shape != self.scales.shape:

@@ -168,16 +168,18 @@ class QuantSpec:
         shape = self.logical_shape(physical, shape)
         n, k = shape[-2:]
         scale_shape = (n, self.groups(k))
-        codes = self.weight.layout.unpack(self._get(physical, self.weight.name), (n, k))
-        scales = self.scale_format.decode(self.scales.layout.unpack(self._get(physical, self.scales.name), scale_shape))
+        codes = self.weight.layout.unpack(self._stored(physical, self.weight.name, "iu"), (n, k))
+        scale_kinds = "f" if self.scale_format.storage_dtype.kind == "f" else "iu"
+        scales = self.scale_format.decode(self.scales.layout.unpack(
+            self._stored(physical, self.scales.name, scale_kinds), scale_shape))
         zeros = g_idx = global_scale = None
         if self.zeros is not None:
-            stored = self.zeros.layout.unpack(self._get(physical, self.zeros.name), scale_shape)
+            stored = self.zeros.layout.unpack(self._stored(physical, self.zeros.name, "iu"), scale_shape)
             zeros = ((stored.astype(np.int64) - self.zero_offset) % (1 << self.code.bits)).astype(np.int32)
         if self.g_idx_name is not None:
-            g_idx = np.asarray(self._get(physical, self.g_idx_name), np.int32)
+            g_idx = np.asarray(self._stored(physical, self.g_idx_name, "iu"), np.int32)
         if self.sort_k_by_group:
-            order = np.asarray(self._get(physical, self.sort_indices_name), np.int64)
+            order = np.asarray(self._stored(physical, self.sort_indices_name, "iu"), np.int64)
             inverse = np.argsort(order, axis=-1)
             codes, g_idx = take_k(codes, inverse), take_k(g_idx, inverse)
         if self.global_scale_name is not None:
@@ -229,6 +231,15 @@ class QuantSpec:
         if name not in physical:
             raise KeyError(f"{self.name}: the physical tensors have no {name!r} (got {sorted(physical)})")
         return physical[name]
+
+    def _stored(self, physical: dict, name: str, kinds: str) -> np.ndarray:
+        """Tensor `name` as an array whose dtype kind is one of `kinds` ("iu": integer words
+        or bits, "f": float values): a float array of words would unpack silently wrong."""
+        value = np.asarray(self._get(physical, name))
+        if value.dtype.kind not in kinds:
+            expected = "integer words or bits" if kinds == "iu" else "float values"
+            raise TypeError(f"{self.name}: {name} must hold {expected}, got {value.dtype}")
+        return value
 
     def _check_quantized(self, q: Quantized) -> None:
         self.check_shape(q.codes.shape)

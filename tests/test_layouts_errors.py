@@ -70,6 +70,18 @@ def test_missing_physical_tensor_is_named():
         formats.gptq(4).unpack({"qweight": np.zeros((32, 64), np.int32)})
 
 
+def test_arrays_of_the_wrong_kind_are_named():
+    """Float codes or float-typed words would be truncated into silently wrong weights."""
+    q = _weight()
+    with pytest.raises(TypeError, match="codes must be integers"):
+        Quantized(q.codes + 0.5, q.scales)
+    physical = formats.gptq(4, 128).pack(q)
+    with pytest.raises(TypeError, match="gptq_int4: qweight must hold integer words or bits, got float32"):
+        formats.gptq(4, 128).unpack({**physical, "qweight": physical["qweight"].astype(np.float32)})
+    with pytest.raises(TypeError, match="scales must hold float values, got int32"):
+        formats.gptq(4, 128).unpack({**physical, "scales": physical["scales"].astype(np.int32)})
+
+
 def test_mismatched_logical_arrays_are_rejected():
     with pytest.raises(ValueError, match="scales must be shaped"):
         Quantized(np.zeros((4, 8), int), np.zeros((5, 1)))
