@@ -12,6 +12,8 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
+from .checks import one_of
+
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                         -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)
 
@@ -145,8 +147,7 @@ class FloatFormat:
     storing it moves a negative scale's sign into its e2m1 codes and zeroes the codes of a
     zero scale (`QuantSpec.pack`), which leaves every weight as it was."""
 
-    name: str = attrs.field(validator=attrs.validators.in_(
-        ("float16", "bfloat16", "float32", "float8_e4m3", "float8_ue5m3")))
+    name: str = attrs.field(validator=one_of(("float16", "bfloat16", "float32", "float8_e4m3", "float8_ue5m3")))
 
     @property
     def storage_dtype(self) -> np.dtype:

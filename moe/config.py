@@ -7,6 +7,7 @@ from __future__ import annotations
 import attrs
 
 from layouts import E2M1, QuantSpec, formats
+from layouts.checks import one_of
 from numba_kernels.activation import Activation
 from numba_kernels.routing import RoutingConfig
 
@@ -110,7 +111,7 @@ class MoEConfig:
     expert_map: tuple[int, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(
         lambda value: tuple(int(v) for v in value)))
     quant: QuantScheme = attrs.field(factory=QuantScheme)
-    dtype: str = attrs.field(default="bfloat16", validator=attrs.validators.in_(_HALVES))
+    dtype: str = attrs.field(default="bfloat16", validator=one_of(_HALVES))
 
     def __attrs_post_init__(self):
         if self.top_k > self.num_experts:

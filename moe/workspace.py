@@ -113,6 +113,8 @@ class Workspace:
 
     def grow(self, max_tokens: int) -> None:
         """Reallocate for a larger maximum (explicit: calls never grow the workspace)."""
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be positive, got {max_tokens}")
         if max_tokens > self.max_tokens:
             self._allocate(max_tokens)
 

@@ -33,6 +33,8 @@ import numpy as np
 import torch
 from numba import cuda, float32, uint32
 
+from layouts.checks import one_of
+
 from .ptx import device, divide_approx, exp_approx, kernel, release_next, wait_for_previous
 from .rows import (DTYPE_NAMES, ONE, ZERO, as_float64, check_partials, chunk_reader, chunk_size, chunk_writer,
                    grid_position, launch_rows, output_tensor, source_array, target_array, vectorizable)
@@ -55,7 +57,7 @@ class Activation:
     alpha and limit belong to swigluoai and must stay at their defaults for the others.
     """
 
-    name: str = attrs.field(validator=attrs.validators.in_(NAMES))
+    name: str = attrs.field(validator=one_of(NAMES))
     gated: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     alpha: float = attrs.field(default=1.702, converter=float, validator=_positive_finite)
     limit: float = attrs.field(default=7.0, converter=float, validator=_positive_finite)

@@ -171,6 +171,10 @@ def test_bad_configurations_are_rejected():
         MoEConfig(**TINY, expert_map=[0, 0, -1, -1])
     with pytest.raises(ValueError, match="format"):
         QuantScheme("exl2")
+    with pytest.raises(ValueError, match=r"^dtype must be one of \('bfloat16', 'float16'\), got 'float32'$"):
+        MoEConfig(**TINY, dtype="float32")
+    with pytest.raises(ValueError, match=r"^name must be one of \(.*'silu'.*\), got 'tanhx'$"):
+        MoEConfig(**TINY, activation="tanhx")
 
 
 def test_unloaded_experts_are_reported():
@@ -202,6 +206,8 @@ def test_workspace_grows_only_when_asked():
     before = workspace.nbytes
     workspace.grow(64)
     assert workspace.max_tokens == 64 and workspace.nbytes > before
+    with pytest.raises(ValueError, match="max_tokens must be positive, got -3"):
+        workspace.grow(-3)
 
 
 def test_random_kernel_layout_weights_give_finite_outputs():
