@@ -79,12 +79,20 @@ class LoRAHooks(MoEHooks):
         self._token_adapter = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         self._num_tokens = 0
 
-    def set_token_adapters(self, token_adapter) -> None:
+    def set_token_adapters(self, token_adapter, *, check: bool = True) -> None:
         """The adapter of each token of the next calls, (M,) int32, -1 for none (copied into a
-        persistent buffer, so graphs captured afterwards see later updates)."""
+        persistent buffer, so graphs captured afterwards see later updates). `check`
+        validates the ids (a host sync for a GPU tensor): an id past the adapters would
+        read another tensor's memory."""
         token_adapter = interop.check_tensor("token_adapter", token_adapter, dtype=torch.int32, ndim=1)
         if token_adapter.shape[0] > self.max_tokens:
             raise ValueError(f"token_adapter has {token_adapter.shape[0]} tokens, the hooks hold {self.max_tokens}")
+        adapters = self.scaling.shape[0]
+        if check and token_adapter.numel():
+            low, high = int(token_adapter.min()), int(token_adapter.max())
+            if low < -1 or high >= adapters:
+                raise ValueError(f"token_adapter must lie in [-1, {adapters}) (-1: no adapter), got values from {low} "
+                                 f"to {high}")
         self._token_adapter[:token_adapter.shape[0]].copy_(token_adapter)
         self._num_tokens = token_adapter.shape[0]
 

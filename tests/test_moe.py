@@ -108,6 +108,9 @@ def test_lora_hooks_add_each_tokens_adapter():
     expected = reference_moe(config, hidden.float().numpy(), checkpoint.dense_w13, checkpoint.dense_w2,
                              router_logits=logits.numpy(), lora_deltas=deltas)
     assert _relative_error(out, expected) < 2e-2
+    for bad in ([2, -1, 0], [0, -2, 1]):  # past the two adapters; below "none"
+        with pytest.raises(ValueError, match=r"token_adapter must lie in \[-1, 2\)"):
+            hooks.set_token_adapters(torch.tensor(bad, dtype=torch.int32).to(DEVICE))
 
 
 def test_expert_parallel_ranks_sum_to_the_full_layer():
