@@ -10,3 +10,9 @@ def one_of(options: tuple):
             raise ValueError(f"{attribute.name} must be one of {options}, got {value!r}")
 
     return check
+
+
+def check_group_size(instance, attribute, value):
+    """An attrs validator: a scale group's length, a positive int, or None for channel-wise."""
+    if value is not None and (not isinstance(value, int) or value < 1):
+        raise ValueError(f"{attribute.name} must be a positive int or None (channel-wise), got {value!r}")

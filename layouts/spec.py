@@ -21,6 +21,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
+from .checks import check_group_size
 from .encodings import E2M1, FloatFormat, IntCode
 from .quantized import Quantized
 from .transforms import Layout
@@ -45,11 +46,6 @@ class Tensor:
         return f"{self.name} = {self.layout!r}"
 
 
-def _check_group_size(instance, attribute, value):
-    if value is not None and (not isinstance(value, int) or value < 1):
-        raise ValueError(f"group_size must be a positive int or None (channel-wise), got {value!r}")
-
-
 @attrs.frozen
 class QuantSpec:
     """How one quantized weight (N, K) or (E, N, K) is stored; see the module docstring.
@@ -66,7 +62,7 @@ class QuantSpec:
     weight: Tensor
     scales: Tensor
     scale_format: FloatFormat = FloatFormat("float16")
-    group_size: int | None = attrs.field(default=128, validator=_check_group_size)
+    group_size: int | None = attrs.field(default=128, validator=check_group_size)
     zeros: Tensor | None = None
     zero_offset: int = 0
     g_idx_name: str | None = None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import attrs
 
 from layouts import E2M1, QuantSpec, formats
-from layouts.checks import one_of
+from layouts.checks import check_group_size, one_of
 from numba_kernels.activation import Activation
 from numba_kernels.routing import RoutingConfig
 
@@ -39,7 +39,7 @@ class QuantScheme:
 
     format: str | QuantSpec = attrs.field(default="gptq")
     bits: int = 4
-    group_size: int | None = 128
+    group_size: int | None = attrs.field(default=128, validator=check_group_size)
     symmetric: bool = True
     act_order: bool = False
     nvfp4_checkpoint: str = "compressed_tensors"

@@ -388,10 +388,15 @@ def main(argv=None) -> None:
     parser.add_argument("--refine", action="store_true",
                         help="time only the current choice and its decode tiles with each option flipped")
     args = parser.parse_args(argv)
-    quant = QuantScheme("nvfp4") if args.format == "nvfp4" else QuantScheme("native", bits=4,
-                                                                             group_size=args.group_size)
-    config = MoEConfig(num_experts=args.experts, top_k=args.top_k, hidden_size=args.hidden,
-                       intermediate_size=args.intermediate, quant=quant)
+    if min(args.tokens) < 1 or args.routings < 1:
+        parser.error("--tokens and --routings must be positive")
+    try:
+        quant = QuantScheme("nvfp4") if args.format == "nvfp4" else QuantScheme("native", bits=4,
+                                                                                 group_size=args.group_size)
+        config = MoEConfig(num_experts=args.experts, top_k=args.top_k, hidden_size=args.hidden,
+                           intermediate_size=args.intermediate, quant=quant)
+    except ValueError as error:  # the shape's own checks, as a usage error rather than a traceback
+        parser.error(str(error))
 
     def report(tokens, stage, tile, ms):
         if args.verbose:

@@ -2,6 +2,7 @@
 table, and the oracle then picks the tuned backend."""
 
 import io
+import re
 
 import attrs
 import pytest
@@ -257,3 +258,15 @@ def test_bad_token_counts_or_routings_are_refused_by_name(counts, routings, name
 def test_tuning_without_a_gpu_says_so():
     with pytest.raises(RuntimeError, match="CUDA GPU"):
         tune(CONFIG, [2], progress=False)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--top-k", "5"], r"top_k \(5\) must not exceed num_experts \(4\)"),
+    (["--top-k", "2", "--tokens", "0"], "--tokens and --routings must be positive"),
+    (["--top-k", "2", "--group-size", "0"], "group_size must be a positive int"),
+])
+def test_the_command_line_reports_a_bad_shape_as_a_usage_error(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        moe.tune.main(["--experts", "4", "--hidden", "64", "--intermediate", "64", *args])
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
