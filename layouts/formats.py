@@ -171,16 +171,20 @@ def native(bits: int = 4, group_size: int | None = 128, *, zero_points: bool = F
                          zero_points=zero_points, act_order=act_order, scale_format=FloatFormat(half), pad=(16, 64))
 
 
+# NVFP4 checkpoints by exporter: the packed weight's name, the global scale's, and whether
+# the global scale is stored as its reciprocal.
+NVFP4_CHECKPOINTS = {"compressed_tensors": ("weight_packed", "weight_global_scale", False),
+                     "modelopt": ("weight", "weight_scale_2", True)}
+
+
 def nvfp4(*, checkpoint: str = "compressed_tensors", swizzled: bool = False) -> QuantSpec:
     """NVFP4: e2m1 nibbles two per byte (even element in the low nibble), one fp8 e4m3
     scale per 16 elements, and a per-tensor global scale: a divisor in compressed-tensors
     (`weight_global_scale`), its reciprocal in ModelOpt (`weight_scale_2`). `swizzled=True`
     stores the scales in the 128x4 layout the cutlass / TensorRT-LLM kernels read."""
-    names = {"compressed_tensors": ("weight_packed", "weight_global_scale", False),
-             "modelopt": ("weight", "weight_scale_2", True)}
-    if checkpoint not in names:
-        raise ValueError(f"checkpoint must be one of {sorted(names)}, got {checkpoint!r}")
-    weight_name, global_name, reciprocal = names[checkpoint]
+    if checkpoint not in NVFP4_CHECKPOINTS:
+        raise ValueError(f"checkpoint must be one of {sorted(NVFP4_CHECKPOINTS)}, got {checkpoint!r}")
+    weight_name, global_name, reciprocal = NVFP4_CHECKPOINTS[checkpoint]
     return QuantSpec(
         name=f"nvfp4_{checkpoint}" + ("_swizzled" if swizzled else ""), code=E2M1(),
         weight=Tensor(weight_name, Layout((BitPack(4, axis=-1, word_bits=8),))),

@@ -42,7 +42,8 @@ class QuantScheme:
     group_size: int | None = attrs.field(default=128, validator=check_group_size)
     symmetric: bool = True
     act_order: bool = False
-    nvfp4_checkpoint: str = "compressed_tensors"
+    nvfp4_checkpoint: str = attrs.field(default="compressed_tensors",
+                                        validator=one_of(tuple(formats.NVFP4_CHECKPOINTS)))
 
     @format.validator
     def _check_format(self, attribute, value):

@@ -176,6 +176,8 @@ def test_bad_configurations_are_rejected():
         QuantScheme("exl2")
     with pytest.raises(ValueError, match=r"group_size must be a positive int or None \(channel-wise\), got 0"):
         QuantScheme("gptq", group_size=0)
+    with pytest.raises(ValueError, match="nvfp4_checkpoint must be one of"):
+        QuantScheme("nvfp4", nvfp4_checkpoint="gguf")
     with pytest.raises(ValueError, match=r"^dtype must be one of \('bfloat16', 'float16'\), got 'float32'$"):
         MoEConfig(**TINY, dtype="float32")
     with pytest.raises(ValueError, match=r"^name must be one of \(.*'silu'.*\), got 'tanhx'$"):
