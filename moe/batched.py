@@ -25,7 +25,8 @@ from .oracle import select_batched_backend
 from .replay import ProgramCache
 from .runner import Prepared, check_weights, run
 from .weights import ExpertWeights
-from .workspace import CallBuffers, arrivals_elements, gemm_out_elements, gemm_view, starts_within
+from .workspace import (CallBuffers, arrivals_elements, gemm_out_elements, gemm_view, permuted_buffer, permuted_views,
+                        starts_within)
 
 
 class BatchedWorkspace:
@@ -58,6 +59,7 @@ class BatchedWorkspace:
             gemm2_out=gemm_view(gemm2, self.backend.gemm2, slots, config.hidden_size, half),
             output=empty((slots, config.hidden_size), half),
             arrivals=empty(arrivals_elements(config, self.backend, blocks, slots), torch.int32),
+            **permuted_views(permuted_buffer(config, slots), config, slots),
         )
         self.programs = ProgramCache()  # recorded calls (see replay), one per weights and input alignment
 

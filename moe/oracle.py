@@ -30,7 +30,9 @@ the untuned heuristic), and falls back to a heuristic:
   copies free of bank conflicts (36-word rows). Since the stage buffers are dynamic shared
   memory (2026-11-25), three buffers beat two for both GEMMs and both formats at Qwen3
   M = 4096 (gemm2, ms: w4a16 0.455 -> 0.439, NVFP4 0.453 -> 0.410). Weights whose layout cannot be staged
-  (`gemm.prefill_supported`: act-order, scales not lane-contiguous) take decode tiles.
+  (`gemm.prefill_supported`, `runs_on`: scales not lane-contiguous, act-order read through
+  its index maps) take decode tiles; the MoE layer reads act-order weights as plain tiles
+  (`numba_kernels.permute`), so they take prefill tiles too.
 
 A tile's `fused_reduction` (a decode GEMM finishes the activation or the combine in its
 last CTAs, `numba_kernels.epilogue`; a gemm1 of paired warps, prefill or decode with
@@ -175,15 +177,19 @@ def _prefill_backend(config: MoEConfig, num_tokens: int) -> Backend:
 def heuristic_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec | None = None) -> Backend:
     """The untuned choice; with `spec`, prefill tiles only where its weights can be staged."""
     per_expert = num_tokens * config.top_k / config.num_local_experts
-    h, i, n1 = config.hidden_size, config.intermediate_size, config.gate_up_size
     decode = _decode_backend(config, num_tokens)
     if per_expert <= DECODE_TOKENS_PER_EXPERT:
         return decode
     prefill = _prefill_backend(config, num_tokens)
-    if spec is not None and not (prefill_supported(spec, n1, h, config.dtype, prefill.gemm1)
-                                 and prefill_supported(spec, h, i, config.dtype, prefill.gemm2)):
-        return decode
-    return prefill
+    return prefill if spec is None or runs_on(config, spec, prefill) else decode
+
+
+def runs_on(config: MoEConfig, spec: QuantSpec, backend: Backend) -> bool:
+    """Whether `backend`'s tiles can read weights stored as `spec` (a prefill tile stages
+    them through shared memory, which some layouts do not allow: `gemm.prefill_supported`)."""
+    h, i, n1 = config.hidden_size, config.intermediate_size, config.gate_up_size
+    return all(not tile.a_in_shared or prefill_supported(spec, n, k, config.dtype, tile)
+               for tile, n, k in ((backend.gemm1, n1, h), (backend.gemm2, h, i)))
 
 
 def writes_partials(tile: GemmTile) -> bool:
@@ -277,13 +283,16 @@ regime follows the token count, rather than a table entry from another regime.""
 def select_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec) -> Backend:
     """The backend for `num_tokens` tokens through weights stored as `spec`: the tuned
     entry (`tuned_entries`) for the largest measured token count m <= num_tokens <
-    TUNED_REACH * m, else the heuristic."""
+    TUNED_REACH * m, else the heuristic; either only if its tiles can read `spec` (a
+    layout sharing a tuned spec's name, act-order's K-sorted tiles, may not be staged)."""
     if num_tokens < 1:
         raise ValueError(f"num_tokens must be positive, got {num_tokens}")
     _, entries = tuned_entries(config, spec)
     measured = [int(m) for m in entries if int(m) <= num_tokens < TUNED_REACH * int(m)]
     if measured:
-        return backend_from_dict(entries[str(max(measured))])
+        backend = backend_from_dict(entries[str(max(measured))])
+        if runs_on(config, spec, backend):
+            return backend
     return heuristic_backend(config, num_tokens, spec)
 
 

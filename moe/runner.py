@@ -5,7 +5,8 @@
                   count, route (top-k of the router logits, unless given) and align the
                   token slots to expert blocks (one launch for a few tokens);
     run:          gemm1 -> hooks -> activation -> gemm2 -> hooks -> combine (weighted
-                  sum over each token's experts); a tile with `fused_reduction` makes its
+                  sum over each token's experts), each GEMM's input permuted into its
+                  experts' K order first for act-order weights (`permute_slots`); a tile with `fused_reduction` makes its
                   GEMM finish the reduction after it, one kernel fewer: a decode tile in
                   its last CTAs (`numba_kernels.epilogue`), a prefill gemm1 tile in its
                   epilogue (`gemm.paired_activation`); unless a post_gemm hook must see
@@ -31,6 +32,7 @@ from numba_kernels.align import moe_align_block_size
 from numba_kernels.combine import combine
 from numba_kernels.epilogue import FusedActivation, FusedCombine
 from numba_kernels.gemm import grouped_gemm
+from numba_kernels.permute import permute_slots
 from numba_kernels.route_align import route_and_align
 from numba_kernels.routing import LOGIT_DTYPES, route
 
@@ -158,6 +160,15 @@ def fused_combine(config: MoEConfig, tile, topk_weights: torch.Tensor, out: torc
     return FusedCombine(topk_weights, out, arrivals) if fused_combine_kind(config, tile) else None
 
 
+def gemm_input(act: torch.Tensor, weights: ExpertWeights, stored, out: torch.Tensor | None, alignment: tuple,
+               slots: int, block_m: int) -> torch.Tensor:
+    """What a GEMM of `stored` (w13 or w2) reads: `act`, or its rows permuted per slot into
+    the experts' K order (`weights.permutes_inputs`) in `out`."""
+    if not weights.permutes_inputs:
+        return act
+    return permute_slots(act, stored.k_order, *alignment, num_slots=slots, block_m=block_m, out=out)
+
+
 def run(prepared: Prepared, weights: ExpertWeights, hooks: MoEHooks | None = None) -> torch.Tensor:
     """gemm1 -> activation -> gemm2 -> combine into the workspace's output (M, H)."""
     hooks = _NO_HOOKS if hooks is None else hooks
@@ -172,16 +183,17 @@ def run(prepared: Prepared, weights: ExpertWeights, hooks: MoEHooks | None = Non
 
     step = GemmStep("gemm1", prepared.hidden_states, buffers.gemm1_out, prepared.topk_ids, config.top_k)
     hooks.pre_gemm(step)
-    grouped_gemm(prepared.hidden_states, weights.w13, *alignment, num_slots=slots, tile=backend.gemm1,
-                 out=buffers.gemm1_out, then=then1)
+    act = gemm_input(prepared.hidden_states, weights, weights.w13, buffers.gemm1_in, alignment, slots, backend.block_m)
+    grouped_gemm(act, weights.w13, *alignment, num_slots=slots, tile=backend.gemm1, out=buffers.gemm1_out, then=then1)
     hooks.post_gemm(step)
     if then1 is None:
         activate(buffers.gemm1_out, config.activation, out=buffers.intermediate)
 
     step = GemmStep("gemm2", buffers.intermediate, buffers.gemm2_out, prepared.topk_ids, 1)
     hooks.pre_gemm(step)
-    grouped_gemm(buffers.intermediate, weights.w2, *alignment, num_slots=slots, tile=backend.gemm2,
-                 out=buffers.gemm2_out, then=then2, alignment_ready=True)  # aligned before gemm1
+    act = gemm_input(buffers.intermediate, weights, weights.w2, buffers.gemm2_in, alignment, slots, backend.block_m)
+    grouped_gemm(act, weights.w2, *alignment, num_slots=slots, tile=backend.gemm2, out=buffers.gemm2_out, then=then2,
+                 alignment_ready=True)  # aligned before gemm1
     hooks.post_gemm(step)
     if then2 is None:
         combine(buffers.gemm2_out, prepared.topk_weights, out=buffers.output)

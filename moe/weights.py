@@ -12,6 +12,11 @@ them into the same buffers, so kernels, launchers and captured graphs keep worki
 GPTQ, AWQ, compressed-tensors, Marlin and NVFP4 (compressed-tensors or ModelOpt names)
 all go through this one path; only the layout spec differs. w13 holds [w1 (gate); w3 (up)]
 rows, logical (E, 2I, H) (or (E, I, H) for non-gated activations); w2 is (E, H, I).
+
+Act-order weights are stored with K sorted by group, and the GEMMs read them as plain
+tiles of the column-permuted weight, each slot's activations permuted to match first
+(`numba_kernels.permute`): so loading checks that every expert's groups hold group_size
+input features each, as GPTQ makes them.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 
 from layouts import QuantSpec
 from numba_kernels import interop
+from numba_kernels.permute import groups_are_runs, plain_spec
 from numba_kernels.repack import destination_tensors, repack
 from numba_kernels.weights import KernelWeights
 
@@ -46,26 +52,41 @@ def kernel_spec(config: MoEConfig) -> QuantSpec:
     return config.quant.native_spec(config.dtype) or config.quant.checkpoint_spec(config.dtype)
 
 
+def permutes_inputs(config: MoEConfig) -> bool:
+    """Whether `config`'s GEMMs read act-order weights as plain tiles, their inputs
+    permuted per slot first (module docstring): the workspace holds the permuted rows."""
+    return plain_spec(kernel_spec(config)) is not None
+
+
 class ExpertWeights:
     """The layer's w13 and w2 in the layout the kernels read, preallocated for the local
-    experts; `load_expert` / `load` fill them from checkpoint tensors."""
+    experts; `load_expert` / `load` fill them from checkpoint tensors.
+
+    stored_spec:      the layout the buffers hold (what checkpoints are converted into).
+    spec:             how the GEMMs read them (`w13`, `w2`): the stored layout, or for
+                      act-order its plain twin (`permute.plain_spec`).
+    permutes_inputs:  the GEMMs' inputs are permuted into each expert's K order first
+                      (`w13.k_order`, `w2.k_order`)."""
 
     def __init__(self, config: MoEConfig):
         self.config = config
         self.checkpoint_spec = config.quant.checkpoint_spec(config.dtype)
-        self.spec = kernel_spec(config)
+        self.stored_spec = kernel_spec(config)
+        self.spec = plain_spec(self.stored_spec) or self.stored_spec
+        self.permutes_inputs = self.spec is not self.stored_spec
         experts, h, i = config.num_local_experts, config.hidden_size, config.intermediate_size
         self.w13_shape = (experts, config.gate_up_size, h)
         self.w2_shape = (experts, h, i)
         self._w13 = {name: interop.empty(shape, dtype)
-                     for name, (shape, dtype) in destination_tensors(self.spec, self.w13_shape).items()}
+                     for name, (shape, dtype) in destination_tensors(self.stored_spec, self.w13_shape).items()}
         self._w2 = {name: interop.empty(shape, dtype)
-                    for name, (shape, dtype) in destination_tensors(self.spec, self.w2_shape).items()}
-        self.w13 = KernelWeights.from_physical(self.spec, self._w13, self.w13_shape)
-        self.w2 = KernelWeights.from_physical(self.spec, self._w2, self.w2_shape)
+                    for name, (shape, dtype) in destination_tensors(self.stored_spec, self.w2_shape).items()}
+        self.w13, self.w2 = (
+            KernelWeights(self.spec, shape, KernelWeights.from_physical(self.stored_spec, tensors, shape).tensors)
+            for tensors, shape in ((self._w13, self.w13_shape), (self._w2, self.w2_shape)))
         self._scratch: dict[tuple[str, str], torch.Tensor] = {}
         self.loaded = np.zeros(experts, dtype=bool)
-        self._all_loaded = False  # once True, stays (loading never unloads an expert)
+        self._all_loaded = False  # until a load fails (that expert is then unloaded)
 
     def _on_device(self, role: str, physical: Mapping) -> dict[str, torch.Tensor]:
         """Copy one expert's checkpoint tensors into reusable device scratch buffers."""
@@ -86,7 +107,7 @@ class ExpertWeights:
         source = KernelWeights.from_physical(self.checkpoint_spec, self._on_device(role, physical), logical)
         if source.num_experts != 1:
             raise ValueError(f"{role} must hold one expert's tensors, got {source.num_experts} experts")
-        repack(source, self.spec, out=out, experts=range(expert, expert + 1), row_offset=row_offset,
+        repack(source, self.stored_spec, out=out, experts=range(expert, expert + 1), row_offset=row_offset,
                dst_rows=dst_rows, zero_first=row_offset == 0)
 
     def load_expert(self, expert: int, w1: Mapping, w2: Mapping, w3: Mapping | None = None) -> None:
@@ -102,12 +123,27 @@ class ExpertWeights:
         if not config.activation.gated and w3 is not None:
             raise ValueError(f"a non-gated activation ({config.activation.name}) takes no w3")
         self._check_shared_global_scale(expert, w1, w3)
+        self.loaded[expert] = self._all_loaded = False  # until every projection is in
         gate_up = self.w13_shape[1]
         self._convert("w1", w1, (i, h), self._w13, expert, dst_rows=gate_up)
         if w3 is not None:
             self._convert("w3", w3, (i, h), self._w13, expert, dst_rows=gate_up, row_offset=i)
         self._convert("w2", w2, (h, i), self._w2, expert, dst_rows=h)
+        if self.permutes_inputs:
+            self._check_group_runs(expert)
         self.loaded[expert] = True
+
+    def _check_group_runs(self, expert: int) -> None:
+        """Act-order groups must hold group_size input features each (the last the rest):
+        only then are the K-sorted tiles plain ones (module docstring)."""
+        spec = self.stored_spec
+        for role, tensors in (("w1 and w3" if self.config.activation.gated else "w1", self._w13), ("w2", self._w2)):
+            g_idx = tensors[spec.g_idx_name][expert]
+            if not groups_are_runs(g_idx, spec.group_size):
+                sizes = torch.bincount(g_idx.long()).tolist()
+                raise ValueError(f"expert {expert}: the act-order groups of {role} must hold group_size = "
+                                 f"{spec.group_size} input features each (the last one the rest), as GPTQ makes "
+                                 f"them; their g_idx gives groups of {sizes[:8]}{'...' if len(sizes) > 8 else ''}")
 
     def _check_mappings(self, w1, w2, w3) -> None:
         """Each projection comes as the checkpoint's tensors by name: a bare tensor (a dense
@@ -157,7 +193,7 @@ class ExpertWeights:
         """Random weights written straight into the kernel buffers, for benchmarks (no
         checkpoint, no conversion): random code bits, scales in a moderate range."""
         generator = torch.Generator(device=interop.kernel_device()).manual_seed(seed)
-        spec = self.spec
+        spec = self.stored_spec
         for tensors, (_, _, k) in ((self._w13, self.w13_shape), (self._w2, self.w2_shape)):
             for name, tensor in tensors.items():
                 if name == spec.scales.name and tensor.dtype == torch.uint8:  # fp8 bytes of 2**-4 .. 2**2

@@ -23,6 +23,7 @@ from .config import MoEConfig
 from .oracle import (Backend, fused_activation_kind, fused_combine_kind, select_backend, token_buckets,
                      writes_partials)
 from .replay import ProgramCache
+from .weights import permutes_inputs
 
 
 class WorkspaceTooSmall(ValueError):
@@ -43,12 +44,14 @@ class CallBuffers:
     gemm2_out: torch.Tensor  # (slots, H) half, or (split, slots, H) float32
     output: torch.Tensor  # (M, H) half
     arrivals: torch.Tensor  # int32 zeros: the fused reductions' counters (numba_kernels.epilogue)
+    gemm1_in: torch.Tensor | None = None  # (slots, H) half: act-order inputs permuted (numba_kernels.permute)
+    gemm2_in: torch.Tensor | None = None  # (slots, I) half, on the same memory (used after gemm1_in)
 
 
 def starts_within(tensor: torch.Tensor, buffers) -> bool:
-    """Whether `tensor`'s first element lies inside one of `buffers`."""
+    """Whether `tensor`'s first element lies inside one of `buffers` (None: no buffer)."""
     address = tensor.data_ptr()
-    return any(0 <= address - b.data_ptr() < b.numel() * b.element_size() for b in buffers)
+    return any(0 <= address - b.data_ptr() < b.numel() * b.element_size() for b in buffers if b is not None)
 
 
 def gemm_out_elements(tile: GemmTile, slots: int, width: int) -> int:
@@ -62,6 +65,22 @@ def gemm_view(buffer: torch.Tensor, tile: GemmTile, slots: int, width: int, half
     if writes_partials(tile):
         return buffer[:tile.split_k * slots * width].view(tile.split_k, slots, width)
     return buffer.view(half)[:slots * width].view(slots, width)
+
+
+def permuted_buffer(config: MoEConfig, slots: int) -> torch.Tensor | None:
+    """Memory for the permuted inputs of both GEMMs (`weights.permutes_inputs`), or None."""
+    if not permutes_inputs(config):
+        return None
+    return torch.empty(slots * max(config.hidden_size, config.intermediate_size), dtype=getattr(torch, config.dtype),
+                       device=interop.kernel_device())
+
+
+def permuted_views(buffer: torch.Tensor | None, config: MoEConfig, slots: int) -> dict:
+    """`CallBuffers`' gemm1_in and gemm2_in for `slots` slots inside `permuted_buffer`."""
+    if buffer is None:
+        return {}
+    return {"gemm1_in": buffer[:slots * config.hidden_size].view(slots, config.hidden_size),
+            "gemm2_in": buffer[:slots * config.intermediate_size].view(slots, config.intermediate_size)}
 
 
 def arrivals_elements(config: MoEConfig, backend: Backend, blocks: int, tokens: int) -> int:
@@ -109,6 +128,7 @@ class Workspace:
         self._gemm2 = torch.empty(gemm2, dtype=torch.float32, device=device)
         self._output = torch.empty((max_tokens, config.hidden_size), dtype=half, device=device)
         self._arrivals = torch.zeros(arrivals, dtype=torch.int32, device=device)
+        self._permuted = permuted_buffer(config, slots)
         self.programs = ProgramCache()  # recorded forwards (see replay); they point into these buffers
 
     def grow(self, max_tokens: int) -> None:
@@ -120,11 +140,11 @@ class Workspace:
 
     def _tensors(self) -> tuple[torch.Tensor, ...]:
         return (self._topk_weights, self._topk_ids, self._sorted_ids, self._expert_ids, self._num_post_padded,
-                self._gemm1, self._intermediate, self._gemm2, self._output, self._arrivals)
+                self._gemm1, self._intermediate, self._gemm2, self._output, self._arrivals, self._permuted)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._tensors())
+        return sum(t.numel() * t.element_size() for t in self._tensors() if t is not None)
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` starts inside one of the workspace's buffers."""
@@ -151,4 +171,5 @@ class Workspace:
             gemm2_out=gemm_view(self._gemm2, backend.gemm2, slots, config.hidden_size, half),
             output=self._output[:num_tokens],
             arrivals=self._arrivals,
+            **permuted_views(self._permuted, config, slots),
         )

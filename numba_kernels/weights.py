@@ -135,6 +135,11 @@ class KernelWeights:
     def num_experts(self) -> int:
         return self.shape[0]
 
+    @property
+    def k_order(self) -> torch.Tensor:
+        """(E, K) int32: the logical input feature of each stored one (K sorted by group)."""
+        return self.tensors[4]
+
     def nbytes(self) -> int:
         """Bytes of every stored tensor (what a kernel streams to read the whole weight)."""
         return sum(t.numel() * t.element_size() for t in self.tensors)

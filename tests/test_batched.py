@@ -1,5 +1,6 @@
 """The batched (expert-major) layout: its alignment equals the numpy twin for any counts,
-and `batched_moe` runs each valid row through its expert's MLP, as the float reference."""
+and `batched_moe` runs each valid row through its expert's MLP, as the float reference
+(act-order weights too, their inputs permuted per row)."""
 
 import numpy as np
 import pytest
@@ -33,10 +34,11 @@ def test_batched_alignment_rejects_counts_beyond_the_rows():
         batched_align(torch.tensor([3, 4], dtype=torch.int64, device=DEVICE), 8, 16)
 
 
-@pytest.mark.parametrize("tokens_per_expert, expected, calls", [(5, None, 2), (40, 40, 1)])
-def test_batched_moe_runs_each_valid_row_through_its_expert(tokens_per_expert, expected, calls):
+@pytest.mark.parametrize("tokens_per_expert, expected, calls, act_order",
+                         [(5, None, 2, False), (40, 40, 1, False), (5, None, 2, True)])
+def test_batched_moe_runs_each_valid_row_through_its_expert(tokens_per_expert, expected, calls, act_order):
     config = MoEConfig(num_experts=3, top_k=2, hidden_size=64, intermediate_size=64,
-                       quant=QuantScheme("gptq", group_size=32))
+                       quant=QuantScheme("gptq", group_size=32, act_order=act_order))
     checkpoint = random_checkpoint(config, np.random.default_rng(0))
     weights = process_weights_after_loading(config, checkpoint.w1, checkpoint.w2, checkpoint.w3)
     rng = np.random.default_rng(1)

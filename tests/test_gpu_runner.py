@@ -1,7 +1,7 @@
 """The runner on the real GPU: eager replays with new inputs, no allocation per forward
 after warm-up, CUDA-graph capture and replay with new inputs, bounded memory while
 converting checkpoints, correct results on two streams at once, DLPack inputs from CuPy
-and JAX, prefill tiles, the batched layout, the tuner's timing, and every tuned entry of
+and JAX, prefill tiles (act-order weights too), the batched layout, the tuner's timing, and every tuned entry of
 this device's table on its own shape."""
 
 import gc
@@ -149,6 +149,21 @@ def test_prefill_batch_takes_the_shared_memory_tiles(layer):
     hidden, logits = _inputs(layer.config, 512, 7)
     assert select_backend(layer.config, 512, layer.weights.spec).gemm1.a_in_shared
     assert _error(big(hidden, logits), _reference(layer, hidden, logits)) < 2e-2
+
+
+def test_act_order_layer_takes_the_prefill_tiles():
+    """Act-order weights read as plain tiles of the permuted weight: prefill tiles at
+    512 tokens, decode tiles at 3, each equal to the reference."""
+    config = MoEConfig(**SMALL, quant=QuantScheme("gptq", group_size=128, act_order=True))
+    checkpoint = random_checkpoint(config, np.random.default_rng(2))
+    act_order = MoELayer(config, max_tokens=512)
+    act_order.load_weights(checkpoint.w1, checkpoint.w2, checkpoint.w3)
+    act_order.checkpoint = checkpoint
+    assert act_order.weights.permutes_inputs
+    assert select_backend(config, 512, act_order.weights.spec).gemm1.a_in_shared
+    for tokens in (3, 512):
+        hidden, logits = _inputs(config, tokens, 9)
+        assert _error(act_order(hidden, logits), _reference(act_order, hidden, logits)) < 2e-2
 
 
 def test_batched_layout_matches_each_experts_reference(layer):

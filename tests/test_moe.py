@@ -12,8 +12,13 @@ import torch
 
 from moe import (LoRAAdapter, LoRAHooks, MoEConfig, MoELayer, QuantScheme, Workspace, WorkspaceTooSmall, fused_moe,
                  process_weights_after_loading)
+import moe.runner
+import moe.workspace
+from layouts import formats
+from moe.oracle import Backend
 from moe.reference import random_checkpoint, reference_moe
 from numba_kernels import interop
+from numba_kernels.gemm import GemmTile
 
 TINY = dict(num_experts=4, top_k=2, hidden_size=64, intermediate_size=64)
 DEVICE = interop.kernel_device()
@@ -143,6 +148,35 @@ def test_reloading_weights_converts_into_the_same_buffers():
     expected = reference_moe(config, hidden.float().numpy(), second.dense_w13, second.dense_w2,
                              router_logits=logits.numpy())
     assert _relative_error(layer(hidden.to(DEVICE), logits.to(DEVICE)), expected) < 2e-2
+
+
+def test_act_order_layer_runs_prefill_tiles_on_permuted_inputs(monkeypatch):
+    """Act-order weights are read as plain tiles of the column-permuted weight, with each
+    slot's inputs permuted first, so the shared-memory prefill tiles take them too."""
+    config = MoEConfig(**TINY, quant=QuantScheme("gptq", bits=4, group_size=32, act_order=True))
+    tile = GemmTile(block_m=32, warps_n=2, warps_k=1, slabs_per_warp=2, a_in_shared=True)
+    for module in (moe.runner, moe.workspace):
+        monkeypatch.setattr(module, "select_backend", lambda config, tokens, spec: Backend(32, tile, tile))
+    layer, checkpoint = _layer(config, max_tokens=6)
+    assert layer.weights.permutes_inputs and layer.weights.spec == formats.native(4, 32)
+    hidden, logits = _inputs(config, 6, seed=6)
+    out = layer(hidden.to(DEVICE), logits.to(DEVICE))
+    expected = reference_moe(config, hidden.float().numpy(), checkpoint.dense_w13, checkpoint.dense_w2,
+                             router_logits=logits.numpy())
+    assert _relative_error(out, expected) < 2e-2
+
+
+def test_act_order_groups_must_each_hold_group_size_features():
+    config = MoEConfig(**TINY, quant=QuantScheme("gptq", bits=4, group_size=32, act_order=True))
+    layer, checkpoint = _layer(config)
+    uneven = dict(checkpoint.w2, g_idx=np.repeat(np.int32([0, 1]), [40, 24]))
+    with pytest.raises(ValueError, match=r"expert 0: the act-order groups of w2 must hold group_size = 32 input "
+                                         r"features each .* groups of \[40, 24\]"):
+        layer.load_weights(checkpoint.w1, uneven, checkpoint.w3)
+    assert not layer.weights.loaded[0]  # half converted: refused until loaded again
+    hidden, logits = _inputs(config, 1)
+    with pytest.raises(RuntimeError, match=r"experts \[0\] have no weights"):
+        layer(hidden.to(DEVICE), logits.to(DEVICE))
 
 
 @pytest.fixture(scope="module")

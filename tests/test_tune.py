@@ -10,6 +10,7 @@ import torch
 
 import moe.oracle
 import moe.tune
+from layouts import formats
 from moe import MoEConfig, QuantScheme, select_backend
 from moe.oracle import Backend, activation_finishable
 from moe.tune import (ProgressBar, candidate_tiles, other_format_tiles, paired_decode, refine_candidates, save,
@@ -105,6 +106,18 @@ def test_a_device_without_a_table_takes_its_architecture_siblings(empty_tuned_di
     monkeypatch.setattr(moe.oracle, "USE_TUNED", True)
     monkeypatch.setattr(moe.oracle, "device_architecture", lambda: "sm_100")  # another architecture: none
     assert select_backend(CONFIG, 2, spec) == heuristic
+
+
+def test_a_tuned_prefill_entry_skips_a_layout_it_cannot_stage(empty_tuned_dir):
+    """Act-order's K-sorted tiles share the plain layout's name, hence its tuned entries;
+    read through their index maps they cannot be staged, so the oracle gives them the
+    heuristic's decode tiles instead of a prefill entry."""
+    prefill = GemmTile(block_m=32, warps_n=2, warps_k=1, slabs_per_warp=2, a_in_shared=True)
+    save(CONFIG, {64: Backend(32, prefill, prefill)})
+    act_order = formats.native(4, 32, act_order=True)
+    assert act_order.name == kernel_spec(CONFIG).name
+    assert select_backend(CONFIG, 64, kernel_spec(CONFIG)).gemm1 == prefill
+    assert not select_backend(CONFIG, 64, act_order).gemm1.a_in_shared
 
 
 def test_the_shipped_tables_are_filed_by_architecture():
