@@ -6,9 +6,11 @@
 Covers routing (softmax and grouped sigmoid), alignment, routing and alignment fused (3
 tokens), repack (checkpoint conversion), the grouped GEMM with decode and prefill tiles
 (the unchecked steady loop over 4-bit and NVFP4 weights, warps along K adding up),
-activation, combine, LoRA and dequantize, each layer call twice (recorded, then replayed).
+activation, combine, LoRA, dequantize and the act-order permutes (half pairs in an act-order
+layer, elements for an odd K), each layer call twice (recorded, then replayed).
 """
 
+import attrs
 import numpy as np
 import torch
 
@@ -19,21 +21,23 @@ from moe.weights import ExpertWeights
 from numba_kernels.align import moe_align_block_size
 from numba_kernels.dequant import dequantize
 from numba_kernels.gemm import GemmTile, grouped_gemm
+from numba_kernels.permute import permute_slots
 from numba_kernels.routing import RoutingConfig, route
 
 
 def main() -> None:
     config = MoEConfig(num_experts=8, top_k=2, hidden_size=256, intermediate_size=128,
                        quant=QuantScheme("gptq", group_size=128))
-    checkpoint = random_checkpoint(config, np.random.default_rng(0))
-    layer = MoELayer(config, max_tokens=128)
-    layer.load_weights(checkpoint.w1, checkpoint.w2, checkpoint.w3)
     generator = torch.Generator(device="cuda").manual_seed(0)
-    for tokens in (3, 128):  # decode tiles, then prefill tiles
-        hidden = torch.randn(tokens, 256, generator=generator, device="cuda").to(torch.bfloat16)
-        logits = torch.randn(tokens, 8, generator=generator, device="cuda")
-        layer(hidden, logits)  # records the launches
-        layer(hidden, logits)  # replays them
+    for quant in (QuantScheme("gptq", group_size=128, act_order=True), config.quant):  # the plain layer stays
+        checkpoint = random_checkpoint(attrs.evolve(config, quant=quant), np.random.default_rng(0))
+        layer = MoELayer(attrs.evolve(config, quant=quant), max_tokens=128)
+        layer.load_weights(checkpoint.w1, checkpoint.w2, checkpoint.w3)
+        for tokens in (3, 128):  # decode tiles, then prefill tiles
+            hidden = torch.randn(tokens, 256, generator=generator, device="cuda").to(torch.bfloat16)
+            logits = torch.randn(tokens, 8, generator=generator, device="cuda")
+            layer(hidden, logits)  # records the launches
+            layer(hidden, logits)  # replays them
     adapter = LoRAAdapter(*(torch.randn(shape, device="cuda").to(torch.bfloat16) * 0.1 for shape in
                             ((8, 4, 256), (8, 256, 4), (8, 4, 128), (8, 256, 4))))
     layer.hooks = LoRAHooks(config, [adapter], max_tokens=128)
@@ -56,6 +60,8 @@ def main() -> None:
         aligned = moe_align_block_size(torch.tensor([[0, 5], [5, 7], [2, 0]], dtype=torch.int32, device="cuda"),
                                        tile.block_m, 8)
         grouped_gemm(hidden[:3], layer.weights.w13, *aligned, num_slots=6, tile=tile)
+    orders = torch.stack([torch.randperm(250, generator=generator, device="cuda") for _ in range(8)]).int()
+    permute_slots(hidden[:3, :250].contiguous(), orders, *alignment, num_slots=6, block_m=8)
     torch.cuda.synchronize()
     print("all kernel families launched")
 
