@@ -33,7 +33,8 @@ from numba_kernels.weights import KernelWeights
 
 def two_gemms(pair, backend, hidden, intermediate, topk_ids, num_experts, permute: bool):
     """A function launching the two grouped GEMMs of `pair` (w13, w2) with `backend`'s
-    tiles, each input permuted into the experts' K order first where `permute`."""
+    tiles, each input permuted into the experts' K order first where `permute`. It owns
+    the buffers its launches use: keep it while a replay of them runs."""
     slots, block_m = topk_ids.numel(), backend.block_m
     alignment = moe_align_block_size(topk_ids, block_m, num_experts)
     inputs = (hidden, intermediate)
@@ -56,6 +57,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["qwen3", "mixtral"], choices=list(SHAPES))
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 256, 4096])
+    parser.add_argument("--no-gathered", dest="gathered", action="store_false", help="skip the gathering GEMMs")
     args = parser.parse_args(argv)
     timer = Timer()
     generator = torch.Generator(device="cuda").manual_seed(0)
@@ -75,14 +77,17 @@ def main(argv=None) -> None:
                                        device="cuda").to(torch.bfloat16)
             gathered_backend = heuristic_backend(config, tokens, weights.stored_spec)
             backend = select_backend(config, tokens, weights.spec)
-            times = [timer(captured(replaying(two_gemms(pair, chosen, hidden, intermediate, topk_ids,
-                                                        config.num_experts, permute))), repeats=repeats)
-                     for pair, chosen, permute, repeats in (
-                         (stored, gathered_backend, False, 30 if tokens < 1024 else 5),  # seconds at M = 4096
-                         (plain, backend, True, 30), (plain, backend, False, 30))]
+            ways = [(plain, backend, True, 30), (plain, backend, False, 30)]
+            if args.gathered:
+                ways.append((stored, gathered_backend, False, 30 if tokens < 1024 else 5))  # seconds at M = 4096
+            times = []
+            for pair, chosen, permute, repeats in ways:
+                launch = two_gemms(pair, chosen, hidden, intermediate, topk_ids, config.num_experts, permute)
+                times.append(timer(captured(replaying(launch)), repeats=repeats))  # `launch` holds the buffers
+            times += [float("nan")] * (not args.gathered)
             layer_ms = timer(captured(lambda: layer(hidden, logits)))
-            print(f"{shape:8s} M={tokens:5d}  gathered {times[0]:8.4f}  permuted {times[1]:8.4f}  plain "
-                  f"{times[2]:8.4f}  ({times[0] / times[1]:5.2f}x faster, permutes {times[1] - times[2]:7.4f})  "
+            print(f"{shape:8s} M={tokens:5d}  gathered {times[2]:8.4f}  permuted {times[0]:8.4f}  plain "
+                  f"{times[1]:8.4f}  ({times[2] / times[0]:5.2f}x faster, permutes {times[0] - times[1]:7.4f})  "
                   f"layer {layer_ms:8.4f}  tiles: {'prefill' if backend.gemm1.a_in_shared else 'decode'}",
                   flush=True)
         del layer, weights, plain, stored

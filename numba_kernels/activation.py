@@ -157,11 +157,14 @@ def make_activation_kernel(activation: Activation, source: str, target: str, vec
 
     @kernel
     def activation_kernel(gate_up, out, width):
-        # The layer's gemm2 may launch now: its CTAs read their routing and first weights
-        # while this short kernel runs, and wait for it before reading its output.
-        release_next()
         col, row, rows, row_step = grid_position(chunk, gate_up.shape[1])
         wait_for_previous()  # launched early (rows.launch_rows): the partials are final from here
+        # The layer's gemm2 may launch now: its CTAs read their routing and first weights
+        # while this short kernel runs, and wait for it before reading its output. Not
+        # before the wait: with gemm1 still running, three kernels in flight, gemm2 read
+        # stale activations in CUDA-graph replays of the batched layer (H200, sixtieth
+        # session: every row wrong; right with this kernel or gemm2 launched late).
+        release_next()
         x = cuda.local.array(inputs, float32)
         y = cuda.local.array(chunk, float32)
         if col >= uint32(width):

@@ -37,6 +37,8 @@ from . import interop
 from .launch import launch_kernel
 from .ptx import kernel, load_words, wait_for_previous
 
+_load4 = load_words[4]  # a kernel calls the helper itself, not the dict it lives in
+
 MAX_THREADS = 256
 
 
@@ -85,7 +87,7 @@ def make_permute_kernel(k: int, block_m: int, vectorized: bool):
         c = tid
         if vectorized:  # four half pairs per load
             while c < uint32(pairs // 4):
-                words = load_words[4](act, source * uint32(pairs) + uint32(4) * c)
+                words = _load4(act, source * uint32(pairs) + uint32(4) * c)
                 for w in range(4):
                     row[8 * c + 2 * w] = int16(words[w] & uint32(0xFFFF))
                     row[8 * c + 2 * w + 1] = int16(words[w] >> uint32(16))

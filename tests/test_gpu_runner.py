@@ -12,7 +12,7 @@ import torch
 from fusing import SeparateReductions, evolve_every_tile, fuse_every_tile
 
 import moe.oracle
-from moe import MoEConfig, MoELayer, QuantScheme, batched_moe, fused_moe, select_backend
+from moe import BatchedWorkspace, MoEConfig, MoELayer, QuantScheme, batched_moe, fused_moe, select_backend
 from moe.oracle import device_architecture, shape_key, tuned_tables
 from moe.reference import random_checkpoint, reference_moe
 from moe.tune import tune
@@ -167,20 +167,25 @@ def test_act_order_layer_takes_the_prefill_tiles():
 
 
 def test_batched_layout_matches_each_experts_reference(layer):
+    """The first call records its launches, the next two replay them (one CUDA graph) on
+    new rows and counts; a replay once read stale activations (activation_kernel)."""
     config, checkpoint = layer.config, layer.checkpoint
     generator = torch.Generator(device="cuda").manual_seed(8)
     tokens_per_expert = 96
-    hidden = torch.randn(config.num_experts, tokens_per_expert, config.hidden_size, generator=generator,
-                         device="cuda").to(torch.bfloat16)
-    counts = torch.randint(0, tokens_per_expert + 1, (config.num_experts,), generator=generator, device="cuda",
-                           dtype=torch.int32)
-    out = batched_moe(hidden, counts, layer.weights, config).float().cpu().numpy()
-    x = hidden.double().cpu().numpy()
-    for expert, count in enumerate(counts.tolist()):
-        if count:
-            intermediate = reference_activate(x[expert, :count] @ checkpoint.dense_w13[expert].T, config.activation)
-            expected = intermediate @ checkpoint.dense_w2[expert].T
-            assert np.linalg.norm(out[expert, :count] - expected) / np.linalg.norm(expected) < 2e-2
+    workspace = BatchedWorkspace(config, tokens_per_expert, layer.weights.spec)
+    for _ in range(3):
+        hidden = torch.randn(config.num_experts, tokens_per_expert, config.hidden_size, generator=generator,
+                             device="cuda").to(torch.bfloat16)
+        counts = torch.randint(0, tokens_per_expert + 1, (config.num_experts,), generator=generator, device="cuda",
+                               dtype=torch.int32)
+        out = batched_moe(hidden, counts, layer.weights, config, workspace=workspace).float().cpu().numpy()
+        x = hidden.double().cpu().numpy()
+        for expert, count in enumerate(counts.tolist()):
+            if count:
+                intermediate = reference_activate(x[expert, :count] @ checkpoint.dense_w13[expert].T, config.activation)
+                expected = intermediate @ checkpoint.dense_w2[expert].T
+                assert np.linalg.norm(out[expert, :count] - expected) / np.linalg.norm(expected) < 2e-2
+    assert len(workspace.programs) == 1
 
 
 def test_tuner_times_candidates_with_cuda_graphs():
