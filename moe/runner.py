@@ -6,11 +6,12 @@
                   token slots to expert blocks (one launch for a few tokens);
     run:          gemm1 -> hooks -> activation -> gemm2 -> hooks -> combine (weighted
                   sum over each token's experts), each GEMM's input permuted into its
-                  experts' K order first for act-order weights (`permute_slots`); a tile with `fused_reduction` makes its
-                  GEMM finish the reduction after it, one kernel fewer: a decode tile in
-                  its last CTAs (`numba_kernels.epilogue`), a prefill gemm1 tile in its
-                  epilogue (`gemm.paired_activation`); unless a post_gemm hook must see
-                  the GEMM's output first.
+                  experts' K order first for act-order weights (`permute_slots`); a
+                  tile with `fused_reduction` makes its GEMM finish the reduction after
+                  it, one kernel fewer: a decode tile in its last CTAs
+                  (`numba_kernels.epilogue`), a prefill gemm1 tile in its epilogue
+                  (`gemm.paired_activation`); unless a post_gemm hook must see the
+                  GEMM's output first.
 
 `forward` is what both entry points call: it checks the inputs, then either replays the
 launches recorded by an earlier call of the same kind (`replay`: the eager fast path) or

@@ -162,7 +162,7 @@ def make_activation_kernel(activation: Activation, source: str, target: str, vec
         # The layer's gemm2 may launch now: its CTAs read their routing and first weights
         # while this short kernel runs, and wait for it before reading its output. Not
         # before the wait: with gemm1 still running, three kernels in flight, gemm2 read
-        # stale activations in CUDA-graph replays of the batched layer (H200, sixtieth
+        # stale activations in CUDA-graph replays of the batched layout (H200, sixtieth
         # session: every row wrong; right with this kernel or gemm2 launched late).
         release_next()
         x = cuda.local.array(inputs, float32)
