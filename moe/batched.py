@@ -24,7 +24,7 @@ from .config import MoEConfig
 from .oracle import select_batched_backend
 from .replay import ProgramCache
 from .runner import Prepared, check_weights, run
-from .weights import ExpertWeights
+from .weights import ExpertWeights, gemm_spec
 from .workspace import (CallBuffers, arrivals_elements, gemm_out_elements, gemm_view, permuted_buffer, permuted_views,
                         starts_within)
 
@@ -36,9 +36,9 @@ class BatchedWorkspace:
     def __init__(self, config: MoEConfig, tokens_per_expert: int, spec, *, expected_tokens_per_expert: int | None = None):
         if tokens_per_expert < 1:
             raise ValueError(f"tokens_per_expert must be positive, got {tokens_per_expert}")
-        self.config, self.spec, self.tokens_per_expert = config, spec, tokens_per_expert
+        self.config, self.spec, self.tokens_per_expert = config, gemm_spec(spec), tokens_per_expert
         expected = tokens_per_expert if expected_tokens_per_expert is None else expected_tokens_per_expert
-        self.backend = select_batched_backend(config, expected, spec)
+        self.backend = select_batched_backend(config, expected, self.spec)
         experts = config.num_local_experts
         slots = experts * tokens_per_expert
         length, blocks = batched_sizes(experts, tokens_per_expert, self.backend.block_m)

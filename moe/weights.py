@@ -52,6 +52,12 @@ def kernel_spec(config: MoEConfig) -> QuantSpec:
     return config.quant.native_spec(config.dtype) or config.quant.checkpoint_spec(config.dtype)
 
 
+def gemm_spec(stored: QuantSpec) -> QuantSpec:
+    """How the GEMMs read weights stored as `stored`: act-order's K-sorted tiles as their
+    plain twin (`permute.plain_spec`, module docstring), any other layout as it is."""
+    return plain_spec(stored) or stored
+
+
 def permutes_inputs(config: MoEConfig) -> bool:
     """Whether `config`'s GEMMs read act-order weights as plain tiles, their inputs
     permuted per slot first (module docstring): the workspace holds the permuted rows."""
@@ -72,7 +78,7 @@ class ExpertWeights:
         self.config = config
         self.checkpoint_spec = config.quant.checkpoint_spec(config.dtype)
         self.stored_spec = kernel_spec(config)
-        self.spec = plain_spec(self.stored_spec) or self.stored_spec
+        self.spec = gemm_spec(self.stored_spec)
         self.permutes_inputs = self.spec is not self.stored_spec
         experts, h, i = config.num_local_experts, config.hidden_size, config.intermediate_size
         self.w13_shape = (experts, config.gate_up_size, h)

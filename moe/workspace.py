@@ -23,7 +23,7 @@ from .config import MoEConfig
 from .oracle import (Backend, fused_activation_kind, fused_combine_kind, select_backend, token_buckets,
                      writes_partials)
 from .replay import ProgramCache
-from .weights import permutes_inputs
+from .weights import gemm_spec, permutes_inputs
 
 
 class WorkspaceTooSmall(ValueError):
@@ -97,12 +97,13 @@ def arrivals_elements(config: MoEConfig, backend: Backend, blocks: int, tokens: 
 
 class Workspace:
     """Scratch buffers for up to `max_tokens` tokens of layers shaped like `config` whose
-    weights are stored as `spec` (the oracle's choices depend on it)."""
+    weights are stored as `spec` (`weights.spec` or `weights.stored_spec`): the oracle
+    picks tiles for what the GEMMs read (`weights.gemm_spec`), and the buffers fit them."""
 
     def __init__(self, config: MoEConfig, max_tokens: int, spec: QuantSpec):
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be positive, got {max_tokens}")
-        self.config, self.spec = config, spec
+        self.config, self.spec = config, gemm_spec(spec)
         self.expert_map = None if config.expert_map is None else torch.tensor(
             config.expert_map, dtype=torch.int32, device=interop.kernel_device())
         self._allocate(max_tokens)

@@ -159,6 +159,7 @@ def test_act_order_layer_runs_prefill_tiles_on_permuted_inputs(monkeypatch):
         monkeypatch.setattr(module, "select_backend", lambda config, tokens, spec: Backend(32, tile, tile))
     layer, checkpoint = _layer(config, max_tokens=6)
     assert layer.weights.permutes_inputs and layer.weights.spec == formats.native(4, 32)
+    assert Workspace(config, 6, layer.weights.stored_spec).spec == layer.weights.spec  # sized for what the GEMMs read
     hidden, logits = _inputs(config, 6, seed=6)
     out = layer(hidden.to(DEVICE), logits.to(DEVICE))
     expected = reference_moe(config, hidden.float().numpy(), checkpoint.dense_w13, checkpoint.dense_w2,
