@@ -55,5 +55,6 @@ def main(argv=None) -> None:
         times = [timer(captured(run)) * 1e3 for run in runs]
         print(f"{shape:8s} {format_name:11s} M={tokens:3d} " + " ".join(f"{t:7.1f}" for t in times), flush=True)
 
+
 if __name__ == "__main__":
     main()

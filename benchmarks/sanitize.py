@@ -30,8 +30,9 @@ def main() -> None:
                        quant=QuantScheme("gptq", group_size=128))
     generator = torch.Generator(device="cuda").manual_seed(0)
     for quant in (QuantScheme("gptq", group_size=128, act_order=True), config.quant):  # the plain layer stays
-        checkpoint = random_checkpoint(attrs.evolve(config, quant=quant), np.random.default_rng(0))
-        layer = MoELayer(attrs.evolve(config, quant=quant), max_tokens=128)
+        layer_config = attrs.evolve(config, quant=quant)
+        checkpoint = random_checkpoint(layer_config, np.random.default_rng(0))
+        layer = MoELayer(layer_config, max_tokens=128)
         layer.load_weights(checkpoint.w1, checkpoint.w2, checkpoint.w3)
         for tokens in (3, 128):  # decode tiles, then prefill tiles
             hidden = torch.randn(tokens, 256, generator=generator, device="cuda").to(torch.bfloat16)

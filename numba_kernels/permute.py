@@ -156,12 +156,9 @@ def permute_slots(act, order, sorted_token_ids, expert_ids, num_tokens_post_padd
 def reference_permute_slots(act, order, sorted_token_ids, expert_ids, num_tokens_post_padded, *, num_slots: int,
                             block_m: int, out: np.ndarray) -> np.ndarray:
     """numpy `permute_slots` into a copy of `out` (rows it does not write keep their values)."""
-    act, order, out = (np.asarray(a.cpu() if isinstance(a, torch.Tensor) else a) for a in (act, order, out))
-    ids = np.asarray(sorted_token_ids.cpu() if isinstance(sorted_token_ids, torch.Tensor) else sorted_token_ids)
-    experts = np.asarray(expert_ids.cpu() if isinstance(expert_ids, torch.Tensor) else expert_ids)
-    total = int(np.asarray(num_tokens_post_padded.cpu() if isinstance(num_tokens_post_padded, torch.Tensor)
-                           else num_tokens_post_padded).reshape(-1)[0])
-    out = out.copy()
+    act, order, ids, experts, total, out = (np.array(a.cpu() if isinstance(a, torch.Tensor) else a) for a in
+                                            (act, order, sorted_token_ids, expert_ids, num_tokens_post_padded, out))
+    total = int(total.reshape(-1)[0])
     rows_per_token = num_slots // act.shape[0]
     for entry in range(min(total, ids.shape[0])):
         slot, expert = int(ids[entry]), int(experts[entry // block_m])

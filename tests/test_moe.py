@@ -9,12 +9,11 @@ import sys
 import numpy as np
 import pytest
 import torch
+from fusing import evolve_every_tile
 
+from layouts import formats
 from moe import (LoRAAdapter, LoRAHooks, MoEConfig, MoELayer, QuantScheme, Workspace, WorkspaceTooSmall, fused_moe,
                  process_weights_after_loading)
-import moe.runner
-import moe.workspace
-from layouts import formats
 from moe.oracle import Backend
 from moe.reference import random_checkpoint, reference_moe
 from numba_kernels import interop
@@ -155,8 +154,7 @@ def test_act_order_layer_runs_prefill_tiles_on_permuted_inputs(monkeypatch):
     slot's inputs permuted first, so the shared-memory prefill tiles take them too."""
     config = MoEConfig(**TINY, quant=QuantScheme("gptq", bits=4, group_size=32, act_order=True))
     tile = GemmTile(block_m=32, warps_n=2, warps_k=1, slabs_per_warp=2, a_in_shared=True)
-    for module in (moe.runner, moe.workspace):
-        monkeypatch.setattr(module, "select_backend", lambda config, tokens, spec: Backend(32, tile, tile))
+    evolve_every_tile(monkeypatch, lambda config, tokens, spec: Backend(32, tile, tile))  # runner and workspace
     layer, checkpoint = _layer(config, max_tokens=6)
     assert layer.weights.permutes_inputs and layer.weights.spec == formats.native(4, 32)
     assert Workspace(config, 6, layer.weights.stored_spec).spec == layer.weights.spec  # sized for what the GEMMs read
