@@ -156,8 +156,8 @@ def permute_slots(act, order, sorted_token_ids, expert_ids, num_tokens_post_padd
 def reference_permute_slots(act, order, sorted_token_ids, expert_ids, num_tokens_post_padded, *, num_slots: int,
                             block_m: int, out: np.ndarray) -> np.ndarray:
     """numpy `permute_slots` into a copy of `out` (rows it does not write keep their values)."""
-    act, order, ids, experts, total, out = (np.array(a.cpu() if isinstance(a, torch.Tensor) else a) for a in
-                                            (act, order, sorted_token_ids, expert_ids, num_tokens_post_padded, out))
+    act, order, ids, experts, total, out = (a.cpu().numpy().copy() if isinstance(a, torch.Tensor) else np.array(a) for a
+                                            in (act, order, sorted_token_ids, expert_ids, num_tokens_post_padded, out))
     total = int(total.reshape(-1)[0])
     rows_per_token = num_slots // act.shape[0]
     for entry in range(min(total, ids.shape[0])):
