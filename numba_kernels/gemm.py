@@ -235,8 +235,8 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
 
     `alignment_ready`: the alignment was final before the kernel launched ahead of this
     one started (the layer's gemm2: aligned before gemm1). Launched early, a decode tile
-    then reads it and issues its first weight loads before waiting for that kernel, so they
-    overlap its tail; only the activations wait."""
+    then reads it (from the L2: `alignment_entry`) and issues its first weight loads before
+    waiting for that kernel, so they overlap its tail; only the activations wait."""
     plan = GemmPlan(spec, n, k, tile, half, pair_loads)
     output_scale, raw_words = plan.reader.output_scale, plan.reader.raw_words
     to_half, pack2 = ptx.to_half(half), ptx.pack2(half)
@@ -328,6 +328,16 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
             ptx.release_next()
 
     @ptx.device
+    def alignment_entry(array, i):
+        """Entry `i` of an alignment array. With `early_weights` it is read before the wait,
+        where the SM's L1 may still hold a line from an earlier forward (the wait is what
+        refreshes it), so it is read from the L2, which holds what the alignment kernel
+        wrote: that kernel finished before the kernel ahead of this one started."""
+        if early_weights:
+            return int32(ptx.load_coherent(array, i))
+        return array[i]
+
+    @ptx.device
     def owner(i, j):
         """The warp of the team (along K) that sums and stores accumulator tile (i, j)."""
         return (i * acc_j + j) % spread
@@ -369,7 +379,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
         # The block's expert and slots are loaded beside the count of blocks in use, not
         # after it: one round trip to memory before the weights' addresses are known, not
         # two (past the count the loads read stale ids that are never used).
-        expert = expert_ids[block]
+        expert = alignment_entry(expert_ids, block)
         slots = cuda.shared.array(block_m, int32)
         held = 0  # bit mt: this thread staged a slot (not padding) of m tile mt
         for r in range(-(-block_m // threads)):  # a constant count (one pass where threads >= block_m), in 32 bits
@@ -379,11 +389,11 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
             position = block * block_m + i
             slot = num_slots
             if position < sorted_ids.shape[0]:
-                slot = sorted_ids[position]
+                slot = alignment_entry(sorted_ids, position)
             slots[i] = slot
             if trims and slot < num_slots:  # trims is a constant: no code in untrimmed kernels
                 held |= 1 << (i // 16)
-        if block * block_m >= num_post_padded[0]:
+        if block * block_m >= alignment_entry(num_post_padded, 0):
             return
         # The epilogue's multiplier (NVFP4's global scale) loads now, not after the loop.
         multiplier = output_scale(weights, expert) if expert >= 0 else float32(0.0)

@@ -51,7 +51,7 @@ def decode_steps(plan: GemmPlan) -> DecodeSteps:
     reader, tile = plan.reader, plan.tile
     group_of_slab, column_params = reader.group_of_slab, reader.column_params
     fetch, decode = reader.fetch, reader.decode
-    load_word, mma, stored_k = ptx.load_words[1], ptx.mma(plan.half), logical_k(plan.spec)
+    load_word, mma, stored_k = ptx.load_written[1], ptx.mma(plan.half), logical_k(plan.spec)  # activations
     depth, m_tiles, row_halves, acc_i = tile.slabs_per_warp, plan.m_tiles, plan.row_halves, plan.acc_shape[0]
     size_k, pair_loads, flat_a = plan.k, plan.pair_loads, plan.flat_a
     deferred = plan.deferred

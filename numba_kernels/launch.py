@@ -25,9 +25,11 @@ start while the kernel before it finishes (once that one's CTAs have called
 kernels: 0.5 to 2.7 us per layer on the H200 (BENCHMARKS.md). The GEMM releases after
 its main loop, or after its wait with `GemmTile.release_early` (when early launch came
 in, CTAs waiting beside running main loops slowed the layer by up to 12 us); the short
-activation kernel and the one-block fused routing and alignment kernel release on entry,
-so the next kernel's CTAs are in place when they finish (the routing's: 0.5 to 0.8 us a
-layer, fifty-fourth session); the others release by exiting. Set
+activation kernel releases right after its wait and the one-block fused routing and
+alignment kernel on entry, so the next kernel's CTAs are in place when they finish (the
+routing's: 0.5 to 0.8 us a layer, fifty-fourth session); the others release by exiting.
+No kernel releases before its own wait (the routing, first, has none), so at most two kernels
+of a forward are in flight. Set
 NUMBA_MOE_EARLY_LAUNCH=0 to launch them in plain stream order.
 
 This module is the only one that reaches below numba-cuda's public kernel API: it takes

@@ -35,9 +35,9 @@ from layouts import QuantSpec
 
 from . import interop
 from .launch import launch_kernel
-from .ptx import kernel, load_words, wait_for_previous
+from .ptx import kernel, load_written, wait_for_previous
 
-_load4 = load_words[4]  # a kernel calls the helper itself, not the dict it lives in
+_load4 = load_written[4]  # a kernel calls the helper itself, not the dict it lives in
 
 MAX_THREADS = 256
 

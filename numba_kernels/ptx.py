@@ -17,8 +17,9 @@ helper                   PTX                                 used for
 ``f32_bits / bits_f32``  mov.b32 (libdevice bit casts)       integer bit tricks
 ``exp_approx(x)``        ex2.approx (libdevice fast_expf)    silu's exponential
 ``divide_approx(a, b)``  div.approx (libdevice fdividef)     silu's division
-``load_u32x4(a, ...)``   load_words[4] at a[i, j, k]       16-byte loads by 3-D index
-``load_words[n](a, i)``  ld.global.nc{,.v2,.v4}.u32          n words at flat element i
+``load_u32x4(a, ...)``   load_written[4] at a[i, j, k]     16-byte loads by 3-D index
+``load_words[n](a, i)``  ld.global.nc{,.v2,.v4}.u32          n weight words at flat element i
+``load_written[n](a, i)`` ld.global{,.v2,.v4}.u32            n words an earlier kernel wrote
 ``load_shared[n](s, i)`` ld.shared{,.v2,.v4}.u32             n words of a shared array
 ``load_coherent(a, i)``  ld.global.cg.u32                    a word other CTAs wrote
 ``arrive(a, i)``         atom.acq_rel.gpu.global.add.u32     publish a CTA's stores
@@ -47,7 +48,11 @@ kernel launched with that attribute (`launch.Launcher`) may start while the kern
 before it still runs, once that one's CTAs have all called ``release_next`` or exited;
 ``wait_for_previous`` then blocks until the earlier kernel has finished and its writes
 are visible. A kernel so launched must wait before it reads anything an earlier kernel
-of the stream wrote, or writes anything one reads. On older GPUs, and under the
+of the stream wrote, or writes anything one reads; even what a kernel that finished long
+before wrote: until the wait the SM's L1 may hold an older copy of the line (the one such
+read, gemm2's alignment, goes to the L2: ``load_coherent``). And it reads such data with
+plain loads (``load_written``), never the read-only path (``load_words``, for weights),
+whose loads ptxas may issue before the wait. On older GPUs, and under the
 simulator, both are no-ops (there kernels run in stream order anyway).
 
 Shared-memory addresses are flat word offsets into a ``uint32`` shared array (the
@@ -309,15 +314,16 @@ def _check_flat(array, *offsets):
         raise TypeError(f"needs a C-contiguous integer or float array and integer offsets, got {array}, {offsets}")
 
 
-def _gpu_read(asm: str, count: int, address, in_place: bool = False):
+def _gpu_read(asm: str, count: int, address, in_place: bool = False, ordered: bool = False):
     """An intrinsic (array, flat offset) -> `count` uint32 words, the result of `asm`
     ($0 .. $count-1 the words, $count the address from `address`). An `in_place`
     instruction (the warp's collective ldmatrix, an atomic) is never moved across a
-    barrier or another memory access, nor dropped."""
+    barrier or another memory access, nor dropped; an `ordered` one is never moved across
+    one (a load of what another kernel wrote stays after `wait_for_previous`)."""
     from llvmlite import ir
     from numba.cuda.extending import intrinsic
 
-    constraints = ",".join(["=r"] * count + ["l"] + (["~{memory}"] if in_place else []))
+    constraints = ",".join(["=r"] * count + ["l"] + (["~{memory}"] if in_place or ordered else []))
 
     @intrinsic
     def read(typingctx, array, offset):
@@ -340,12 +346,13 @@ def _gpu_read(asm: str, count: int, address, in_place: bool = False):
 
 
 def _gpu_word_load(count: int, space: str):
-    """Load `count` words from an array in `space` ("global": read-only path; "shared")."""
+    """Load `count` words from an array in `space`: "global.nc" (the read-only path),
+    "global" (kept after `wait_for_previous`) or "shared"."""
     vector = {1: "", 2: ".v2", 4: ".v4"}[count]
     outputs = ", ".join(f"${n}" for n in range(count))
     outputs = f"{{{outputs}}}" if count > 1 else outputs
-    asm = f"ld.{'global.nc' if space == 'global' else 'shared'}{vector}.u32 {outputs}, [${count}];"
-    return _gpu_read(asm, count, _element_pointer if space == "global" else _shared_pointer)
+    asm = f"ld.{space}{vector}.u32 {outputs}, [${count}];"
+    return _gpu_read(asm, count, _shared_pointer if space == "shared" else _element_pointer, ordered=space == "global")
 
 
 def _statement(asm, operand_types=(), constraints=""):
@@ -531,12 +538,21 @@ exp_approx, divide_approx = (twins.exp_approx, twins.divide_approx) if SIMULATED
 # load_words[n](array, offset): n = 1, 2 or 4 little-endian 32-bit words starting at flat
 # element `offset` of a C-contiguous integer array of any width (the address must be
 # aligned to the load's size); read-only cache path. No index arithmetic beyond one add.
-load_words = {n: twins.load_words(n) if SIMULATED else _gpu_word_load(n, "global") for n in (1, 2, 4)}
+# For the weights only: the read-only path promises ptxas that nothing writes the array
+# while the kernel runs, so it may issue such loads before `wait_for_previous`.
+load_words = {n: twins.load_words(n) if SIMULATED else _gpu_word_load(n, "global.nc") for n in (1, 2, 4)}
+# load_written[n](array, offset): the same for what an earlier kernel of the forward wrote
+# (activations, partials): plain loads, which neither LLVM nor ptxas moves above
+# `wait_for_previous`. As read-only loads, ptxas hoisted gemm2's first activation loads
+# and the activation kernel's above the wait, and CUDA-graph replays beside other work
+# now and then read the kernel before's output before it was written (sixty-first session).
+load_written = {n: twins.load_words(n) if SIMULATED else _gpu_word_load(n, "global") for n in (1, 2, 4)}
 # load_shared[n](shared, offset): the same from a uint32 shared array.
 load_shared = {n: twins.load_words(n) if SIMULATED else _gpu_word_load(n, "shared") for n in (1, 2, 4)}
 # load_coherent(array, offset): the 32-bit word at flat element `offset` of a 32-bit array,
-# cached in L2 only: words another CTA of the same launch wrote (published by `arrive`) are
-# read as written, never from a stale L1 line (`epilogue`).
+# cached in L2 only: words another CTA of the same launch wrote (published by `arrive`:
+# `epilogue`), or an earlier kernel wrote and this one reads before `wait_for_previous`
+# (`gemm`'s alignment), are read as written, never from a stale L1 line.
 load_coherent = twins.load_bits if SIMULATED else _gpu_read("ld.global.cg.u32 $0, [$1];", 1, _element_pointer)
 # arrive(counters, i): adds 1 to flat element `i` of a 32-bit counter array and returns the
 # old value, as a release and an acquire at GPU scope. After a `syncthreads`, one thread's
@@ -569,7 +585,7 @@ warpgroup_wait = {n: twins.warpgroup_wait(n) if SIMULATED else _gpu_statement(f"
 # visible to the tensor cores' reads of a later warpgroup mma (after a barrier for other
 # threads' stores).
 async_proxy_fence = twins.no_op if SIMULATED else _gpu_statement("fence.proxy.async.shared::cta;")
-_load4 = load_words[4]
+_load4 = load_written[4]
 # and_or(a, mask, bits) = (a & mask) | bits in one instruction (ptxas splits the pair when
 # both constants are immediates): the int4 code -> magic-half step of dequantisation.
 # byte_perm(a, b, selector): bytes of b:a picked by the selector's nibbles (prmt.b32).
@@ -579,8 +595,8 @@ byte_perm = twins.byte_perm if SIMULATED else _declared()["byte_perm"]
 
 @device
 def load_u32x4(array, i, j, k):
-    """array[i, j, k:k+4] of a 3-D C-contiguous 32-bit array as one 16-byte load (k a
-    multiple of 4, rows 16-byte aligned), as int32 words."""
+    """array[i, j, k:k+4] of a 3-D C-contiguous 32-bit array (an earlier kernel's output) as
+    one 16-byte load (k a multiple of 4, rows 16-byte aligned), as int32 words."""
     w0, w1, w2, w3 = _load4(array, (int64(i) * array.shape[1] + j) * array.shape[2] + k)
     return int32(w0), int32(w1), int32(w2), int32(w3)
 

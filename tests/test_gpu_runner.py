@@ -188,6 +188,34 @@ def test_batched_layout_matches_each_experts_reference(layer):
     assert len(workspace.programs) == 1
 
 
+def test_replays_beside_other_work_give_the_plain_launches_bits():
+    """Launched early, gemm2 loads its first weights before it waits for the activation
+    kernel, and its activations after. Loaded through the read-only path, ptxas issued
+    the first activation loads before the wait, and a replay now and then read them
+    before they were written when other work shared the GPU (Qwen3 M = 1 on the H200:
+    3 to 5 in 800 to 2500 replays; `benchmarks/replay_stress.py`). A thousand replays on
+    four inputs, bf16 matmuls on another stream meanwhile, must each give the bits of
+    plain launches (a fresh workspace's first call)."""
+    config = MoEConfig(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768,
+                       quant=QuantScheme("native", bits=4, group_size=128))
+    layer = MoELayer(config, max_tokens=1)
+    layer.weights.fill_random(seed=2)
+    inputs = [_inputs(config, 1, seed) for seed in range(4)]
+    plain = [fused_moe(*pair, layer.weights, config).clone() for pair in inputs]
+    side, load = torch.cuda.Stream(), torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    differed = []
+    for round_ in range(1000):
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(round_ % 4):
+                torch.mm(load, load)
+        got = layer(*inputs[round_ % 4])
+        if not torch.equal(got.view(torch.int16), plain[round_ % 4].view(torch.int16)):
+            differed.append(round_)
+    torch.cuda.synchronize()
+    assert not differed, f"replays {differed[:10]} of 1000 differed from plain launches"
+
+
 def test_tuner_times_candidates_with_cuda_graphs():
     config = MoEConfig(**SMALL, quant=QuantScheme("native", bits=4, group_size=128))
     tiles = [GemmTile(block_m=16, warps_k=4, slabs_per_warp=2), GemmTile(block_m=16, warps_k=2, slabs_per_warp=4)]

@@ -68,7 +68,8 @@ def compile_gemm(spec: QuantSpec, tile: GemmTile, n: int = 256, k: int = 512):
     paired = tile.fused_reduction and tile.pairs_warps
     partial = writes_partials(tile)
     fused = activation_kind(Activation("silu")) if paired else combine_kind(2) if tile.fused_reduction else None
-    kernel = make_grouped_gemm(spec, n, k, tile, "bfloat16", partial, fused is None, True, fused)
+    kernel = make_grouped_gemm(spec, n, k, tile, "bfloat16", partial, fused is None, True, fused,
+                               alignment_ready=not paired)  # gemm2: aligned before gemm1
     ids = np.zeros(4, np.int32)
     if partial:
         out = np.zeros((tile.split_k, 8, n), np.float32)
