@@ -17,7 +17,7 @@ over the rows (grid-striding past 65535 rows). Memory traffic is the minimum, ea
 read once and each output written once (S*T*2I*in_bytes + T*I*out_bytes), with no shared
 memory: the kernel is bandwidth-bound. When rows split into whole chunks and the input
 is 16-byte aligned (every real model: I % 16 == 0), each chunk is read with 16-byte
-`ld.global.nc` loads and half outputs are stored as packed pairs; otherwise (odd widths,
+loads (`ptx.load_written`) and half outputs are stored as packed pairs; otherwise (odd widths,
 misaligned views) element by element with bounds checks.
 
 The chunked row I/O (`numba_kernels.rows`) is shared with `numba_kernels.combine`.

@@ -2,7 +2,7 @@
 
 Both read rows of float32 split-K partials (S, rows, W) or finished half/float32 rows
 (S = 1) and write one finished row each. A thread owns a *chunk* of contiguous elements:
-CHUNK_BYTES of input with 16-byte `ld.global.nc` loads when rows split into whole chunks
+CHUNK_BYTES of input with 16-byte loads (`ptx.load_written`) when rows split into whole chunks
 and the input is 16-byte aligned (every real model), else 8 elements with bounds checks.
 """
 
