@@ -544,8 +544,8 @@ load_words = {n: twins.load_words(n) if SIMULATED else _gpu_word_load(n, "global
 # load_written[n](array, offset): the same for what an earlier kernel of the forward wrote
 # (activations, partials): plain loads, which neither LLVM nor ptxas moves above
 # `wait_for_previous`. As read-only loads, ptxas hoisted gemm2's first activation loads
-# and the activation kernel's above the wait, and CUDA-graph replays beside other work
-# now and then read the kernel before's output before it was written (sixty-first session).
+# above its wait, and CUDA-graph replays beside other work now and then read the
+# activation kernel's output before it was written (sixty-first session).
 load_written = {n: twins.load_words(n) if SIMULATED else _gpu_word_load(n, "global") for n in (1, 2, 4)}
 # load_shared[n](shared, offset): the same from a uint32 shared array.
 load_shared = {n: twins.load_words(n) if SIMULATED else _gpu_word_load(n, "shared") for n in (1, 2, 4)}
