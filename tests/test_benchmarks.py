@@ -100,3 +100,30 @@ def test_a_timing_script_without_a_gpu_says_it_needs_one(name, argv, monkeypatch
     finally:
         sys.modules.pop(name, None)
     assert "on a CUDA GPU and none is available" in capsys.readouterr().err
+
+
+def test_replay_stress_says_where_outputs_differ_and_changes_the_oracles_tiles(monkeypatch):
+    """replay_stress.py's report (rows, count, largest error, the first row's columns as
+    runs) and its `--evolve` (the runner and the workspace take changed tiles)."""
+    import moe.runner
+    import moe.workspace
+    from moe import MoEConfig, QuantScheme
+    from moe.weights import kernel_spec
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    for module in (moe.runner, moe.workspace):  # restored afterwards: evolve_tiles replaces them
+        monkeypatch.setattr(module, "select_backend", module.select_backend)
+    try:
+        stress = importlib.import_module("replay_stress")
+        expected = torch.zeros(2, 8, dtype=torch.bfloat16)
+        got = expected.clone()
+        got[1, 2:5], got[1, 7] = 1.0, -3.0
+        assert stress.where_they_differ(got, expected) == "4 elements in rows [1], max |diff| 3; row 1's columns 2-4 7-7"
+        stress.evolve_tiles(["gemm1.release_early=true", "gemm2.split_k=4"])
+        config = MoEConfig(num_experts=4, top_k=2, hidden_size=64, intermediate_size=64,
+                           quant=QuantScheme("gptq", group_size=32))
+        backend = moe.runner.select_backend(config, 1, kernel_spec(config))
+        assert backend.gemm1.release_early and backend.gemm2.split_k == 4
+        assert moe.workspace.select_backend is moe.runner.select_backend
+    finally:
+        sys.modules.pop("replay_stress", None)
