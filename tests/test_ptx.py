@@ -154,9 +154,10 @@ def test_approximate_exp_and_division_are_within_a_few_ulp():
     np.testing.assert_allclose(quotients, a.astype(np.float64) / b, rtol=3e-7)
 
 
+@pytest.mark.parametrize("loads", ["load_words", "load_written"])
 @pytest.mark.parametrize("dtype", [np.int32, np.int16, np.uint8])
-def test_flat_word_loads_read_little_endian_words_of_any_integer_width(dtype):
-    load4, load2, load1 = ptx.load_words[4], ptx.load_words[2], ptx.load_words[1]
+def test_flat_word_loads_read_little_endian_words_of_any_integer_width(dtype, loads):
+    load4, load2, load1 = (getattr(ptx, loads)[n] for n in (4, 2, 1))
 
     @ptx.kernel
     def run(values, loaded):
@@ -175,6 +176,21 @@ def test_flat_word_loads_read_little_endian_words_of_any_integer_width(dtype):
     np.testing.assert_array_equal(loaded[:, :4], words)
     np.testing.assert_array_equal(loaded[:, 4:6], words[:, :2])
     np.testing.assert_array_equal(loaded[:, 6], words[:, 2])
+
+
+def test_only_the_weight_readers_load_through_the_read_only_path():
+    """`ptx.load_words` (ld.global.nc) promises ptxas that nothing writes the array while
+    the kernel runs, so ptxas may issue its loads before `wait_for_previous`: gemm2 once
+    read the activation kernel's output before it was written (sixty-first session). What
+    an earlier kernel wrote is read with `ptx.load_written`; only the weights (fragments)
+    may take the read-only path."""
+    import pathlib
+    import re
+
+    kernels = pathlib.Path(ptx.__file__).parent
+    users = {path.name for path in kernels.glob("*.py")
+             if path.name not in ("ptx.py", "twins.py") and re.search(r"\bload_words\b", path.read_text())}
+    assert users == {"fragments.py"}, f"{sorted(users)} load through the read-only path (ptx.load_words)"
 
 
 def _byte_perm_spec(a: int, b: int, selector: int) -> int:
