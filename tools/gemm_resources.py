@@ -1,15 +1,20 @@
 """Registers, spills and wide loads of the grouped GEMM for the oracle's tiles, compiled
 for sm_90a without a GPU (see `tools/ptx_check.py` for what it needs).
 
-    python -m tools.gemm_resources            # resources
-    python -m tools.gemm_resources --digest   # a digest of each kernel's code
+    python -m tools.gemm_resources                # resources
+    python -m tools.gemm_resources --digest       # a digest of each kernel's code
+    python -m tools.gemm_resources --before-wait  # global loads issued before the wait
 
 Prints one line per (layout, tile): registers per thread, stack / spill bytes, local
 loads, mma and 16-byte global loads in the PTX. Run it after changing a kernel's main
 loop, before spending device time: a spill or a lost vector load shows here. With
 `--digest`, a hash of each kernel's PTX with the names that vary between processes
 normalised: a change meant to move code around without changing it (a refactor of
-`gemm` and its loops) must leave every digest as it was.
+`gemm` and its loops) must leave every digest as it was. With `--before-wait`, the kinds
+of global loads the SASS (needs nvdisasm) issues before `griddepcontrol.wait` (ACQBULK),
+as the layer's gemm2 runs launched early: only weights (`.CONSTANT`, and NVFP4's global
+scale) and the alignment from the L2 (`.STRONG.GPU`) belong there; a load of what the
+kernel before writes would read it unfinished (the sixty-first session's race).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import sys
 import attrs
 import numpy as np
 
-from .ptx_check import compile_kernel  # first: numba_kernels would pick the simulator without a GPU
+from .ptx_check import compile_kernel, sass  # first: numba_kernels would pick the simulator without a GPU
 
 from layouts import QuantSpec, formats  # noqa: E402
 from layouts.samples import random_quantized  # noqa: E402
@@ -109,7 +114,18 @@ def digest(spec: QuantSpec, tile: GemmTile) -> str:
     return hashlib.sha256(code.encode()).hexdigest()[:16]
 
 
+def loads_before_wait(spec: QuantSpec, tile: GemmTile) -> str:
+    """The kinds of global loads in the SASS of `compile_gemm` before its first wait."""
+    kinds = set()
+    for line in sass(compile_gemm(spec, tile).ptx).splitlines():
+        if "ACQBULK" in line:
+            return " ".join(sorted(kinds)) or "none"
+        kinds.update(re.findall(r"\bLDG\S*", line))
+    return "no wait"
+
+
 if __name__ == "__main__":
-    report = digest if "--digest" in sys.argv[1:] else resources
+    arguments = sys.argv[1:]
+    report = digest if "--digest" in arguments else loads_before_wait if "--before-wait" in arguments else resources
     for spec, tile in CASES:
         print(f"{spec.name:12s} {tile}: {report(spec, tile)}", flush=True)
