@@ -30,7 +30,7 @@ from bench_moe import SHAPES, FORMATS
 import moe.oracle
 import moe.runner
 import moe.workspace
-from moe import BatchedWorkspace, MoEConfig, MoELayer, QuantScheme, Workspace, batched_moe, fused_moe
+from moe import BatchedWorkspace, ExpertWeights, MoEConfig, QuantScheme, Workspace, batched_moe, fused_moe
 from moe.oracle import select_batched_backend
 from numba_kernels import interop
 
@@ -61,15 +61,15 @@ class Case:
     def __init__(self, label, shape, quant, layout, tokens, pool: int, generator):
         self.label, self.layout, self.tokens = label, layout, tokens
         self.config = config = MoEConfig(**shape, quant=quant)
-        layer = MoELayer(config, max_tokens=tokens if layout == "routed" else 1)
-        layer.weights.fill_random(seed=1)
-        self.weights, spec = layer.weights, layer.weights.spec
+        self.weights = weights = ExpertWeights(config)
+        weights.fill_random(seed=1)
+        spec = weights.spec
         self.workspace = (Workspace(config, tokens, spec) if layout == "routed"
                           else BatchedWorkspace(config, tokens, spec))
         backend = (moe.runner.select_backend(config, tokens, spec) if layout == "routed"  # --evolve's too
                    else select_batched_backend(config, tokens, spec))
         self.tiles = (f"block {backend.block_m}, gemm1 {'prefill' if backend.gemm1.a_in_shared else 'decode'}, "
-                      f"{'act-order permutes, ' if layer.weights.permutes_inputs else ''}"
+                      f"{'act-order permutes, ' if weights.permutes_inputs else ''}"
                       f"{'fused activation' if backend.gemm1.fused_reduction else 'activation kernel'}, "
                       f"{'fused combine' if backend.gemm2.fused_reduction else 'combine kernel'}"
                       f"{', gemm1 releases early' if backend.gemm1.release_early else ''}")
@@ -126,7 +126,8 @@ def evolve_tiles(changes: list[str]) -> None:
     for change in changes:
         target, value = change.split("=")
         gemm, field = target.split(".")
-        fields[gemm][field] = {"true": True, "false": False}.get(value.lower()) if value.isalpha() else int(value)
+        flags = {"true": True, "false": False}
+        fields[gemm][field] = flags[value.lower()] if value.lower() in flags else int(value)
     select = moe.oracle.select_backend
 
     def evolved(config, tokens, spec):
