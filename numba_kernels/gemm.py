@@ -66,7 +66,7 @@ from .gemm_decode import decode_steps
 from .gemm_pairs import pair_roles
 from .gemm_plan import GemmPlan
 from .gemm_prefill import prefill_steps
-from .launch import STATIC_SHARED_BYTES, launch_kernel
+from .launch import STATIC_SHARED_BYTES, launch_kernel, resident_ctas
 from .weights import KernelWeights
 
 
@@ -234,9 +234,14 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     pairs, rows 16-byte aligned and weights that `fragments.staging_supported` accepts.
 
     `alignment_ready`: the alignment was final before the kernel launched ahead of this
-    one started (the layer's gemm2: aligned before gemm1). Launched early, a decode tile
+    one started (the layer's gemm2: aligned before gemm1). Launched early, a decode tile's
+    first wave of CTAs (the kernel's last argument, `early_ctas`: `launch.resident_ctas`)
     then reads it (from the L2: `alignment_entry`) and issues its first weight loads before
-    waiting for that kernel, so they overlap its tail; only the activations wait."""
+    waiting for that kernel, so they overlap its tail; only the activations wait. The
+    other CTAs can start only as CTAs ahead of them leave, mostly after the wait has
+    returned, so they wait first and read the alignment through the L1 (either order is
+    correct wherever a CTA starts): an L2 round trip in every CTA cost the decode grids of
+    several waves 1.5 to 4 % (Mixtral M = 16, DeepSeek M = 1 on the H200)."""
     plan = GemmPlan(spec, n, k, tile, half, pair_loads)
     output_scale, raw_words = plan.reader.output_scale, plan.reader.raw_words
     to_half, pack2 = ptx.to_half(half), ptx.pack2(half)
@@ -328,12 +333,12 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
             ptx.release_next()
 
     @ptx.device
-    def alignment_entry(array, i):
-        """Entry `i` of an alignment array. With `early_weights` it is read before the wait,
-        where the SM's L1 may still hold a line from an earlier forward (the wait is what
-        refreshes it), so it is read from the L2, which holds what the alignment kernel
-        wrote: that kernel finished before the kernel ahead of this one started."""
-        if early_weights:
+    def alignment_entry(array, i, early):
+        """Entry `i` of an alignment array. An `early` CTA reads it before the wait, where
+        the SM's L1 may still hold a line from an earlier forward (the wait is what
+        refreshes it), so from the L2, which holds what the alignment kernel wrote: that
+        kernel finished before the kernel ahead of this one started."""
+        if early:
             return int32(ptx.load_coherent(array, i))
         return array[i]
 
@@ -368,18 +373,21 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
 
     @ptx.kernel
     def grouped_gemm(act, weights, sorted_ids, expert_ids, num_post_padded, topk_weights, out, reduced, arrivals,
-                     num_slots, rows_div):
-        if not early_weights:
-            wait_for_previous()  # the alignment and act are final from here
+                     num_slots, rows_div, early_ctas):
         # Thread and block indices are unsigned 32-bit: as Numba's signed ints, every index,
         # division and remainder derived from them carried a sign's fix-up and a high word.
         grid_x, grid_y = uint32(cuda.blockIdx.x), uint32(cuda.blockIdx.y)
+        # early: among the grid's first `early_ctas` CTAs in launch order (make_grouped_gemm)
+        early = early_weights and grid_x + uint32(cuda.gridDim.x) * (
+            grid_y + uint32(cuda.gridDim.y) * uint32(cuda.blockIdx.z)) < uint32(early_ctas)
+        if not early:
+            wait_for_previous()  # the alignment and act are final from here
         block, column = (grid_y, grid_x) if chunks_first else (grid_x, grid_y)
         tid = uint32(cuda.threadIdx.x)
         # The block's expert and slots are loaded beside the count of blocks in use, not
         # after it: one round trip to memory before the weights' addresses are known, not
         # two (past the count the loads read stale ids that are never used).
-        expert = alignment_entry(expert_ids, block)
+        expert = alignment_entry(expert_ids, block, early)
         slots = cuda.shared.array(block_m, int32)
         held = 0  # bit mt: this thread staged a slot (not padding) of m tile mt
         for r in range(-(-block_m // threads)):  # a constant count (one pass where threads >= block_m), in 32 bits
@@ -389,11 +397,11 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
             position = block * block_m + i
             slot = num_slots
             if position < sorted_ids.shape[0]:
-                slot = alignment_entry(sorted_ids, position)
+                slot = alignment_entry(sorted_ids, position, early)
             slots[i] = slot
             if trims and slot < num_slots:  # trims is a constant: no code in untrimmed kernels
                 held |= 1 << (i // 16)
-        if block * block_m >= alignment_entry(num_post_padded, 0):
+        if block * block_m >= alignment_entry(num_post_padded, 0, early):
             return
         # The epilogue's multiplier (NVFP4's global scale) loads now, not after the loop.
         multiplier = output_scale(weights, expert) if expert >= 0 else float32(0.0)
@@ -482,9 +490,10 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                     a_sum[c] = float32(0.0)
                 slab_a = start_slab + wk * warp_run
                 own_end = min(slab_a + warp_run, weight_end)
-                if early_weights:  # the first weights load while the kernel before this one finishes
+                if early_weights:  # an early CTA's first weights load while the kernel before it finishes
                     fetch_weight_words(act, weights, expert, slab_a, own_end, chunk, lane, rows, raw_a, a_raw_a)
-                    wait_for_previous()
+                    if early:
+                        wait_for_previous()
                     fetch_a_words(act, weights, expert, slab_a, own_end, chunk, lane, rows, raw_a, a_raw_a)
                 else:
                     fetch_batch(act, weights, expert, slab_a, own_end, chunk, lane, rows, raw_a, a_raw_a)
@@ -497,7 +506,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
                     slab_a, group = two_batches(act, weights, expert, slab_a, own_end, chunk, lane, rows, raw_a,
                                                 a_raw_a, raw_b, a_raw_b, params, frags, group, acc, gacc, a_sum)
 
-        if early_weights:
+        if early:
             ptx.wait_for_previous()  # for CTAs that skipped the decode loop (returns at once after a wait)
         # The next kernel may launch now (unless `release_early` let it after the wait): its
         # CTAs start in this one's tail (reduction, stores, fused finish).
@@ -700,12 +709,14 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
         out_words = interop.stand_in(0, torch.int32, act.device)
     else:
         out_words = out.view(torch.int32) if stores_pairs(tile, n, partial_output) else out
-    launch_kernel(
-        kernel, grid, tile.threads,
-        activation_array(act, pairs), weights.arrays(), interop.to_kernel(sorted_token_ids), interop.to_kernel(expert_ids),
-        interop.to_kernel(num_tokens_post_padded), interop.to_kernel(weights_flat), interop.to_kernel(out_words),
-        interop.to_kernel(reduced), interop.to_kernel(arrivals), np.int32(num_slots), np.int32(num_slots // act.shape[0]),
-        waits=True, shared_bytes=stage_buffer_bytes(weights.spec, n, k, half, tile))
+    shared_bytes = stage_buffer_bytes(weights.spec, n, k, half, tile)
+    args = (activation_array(act, pairs), weights.arrays(), interop.to_kernel(sorted_token_ids),
+            interop.to_kernel(expert_ids), interop.to_kernel(num_tokens_post_padded), interop.to_kernel(weights_flat),
+            interop.to_kernel(out_words), interop.to_kernel(reduced), interop.to_kernel(arrivals), np.int32(num_slots),
+            np.int32(num_slots // act.shape[0]))
+    early = alignment_ready and not tile.a_in_shared  # see make_grouped_gemm
+    early_ctas = resident_ctas(kernel, tile.threads, shared_bytes, args + (np.int32(0),)) if early else 0
+    launch_kernel(kernel, grid, tile.threads, *args, np.int32(early_ctas), waits=True, shared_bytes=shared_bytes)
     return then.out if out is None else out
 
 

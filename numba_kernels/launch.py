@@ -29,7 +29,9 @@ activation kernel releases right after its wait and the one-block fused routing 
 alignment kernel on entry, so the next kernel's CTAs are in place when they finish (the
 routing's: 0.5 to 0.8 us a layer, fifty-fourth session); the others release by exiting.
 No kernel releases before its own wait (the routing, first, has none), so at most two kernels
-of a forward are in flight. Set
+of a forward are in flight. Only a grid's first wave can start early (`resident_ctas`: how
+many CTAs the GPU holds at once, numba's `max_cooperative_grid_blocks`); the GEMM that
+loads weights before its wait does so in those CTAs alone. Set
 NUMBA_MOE_EARLY_LAUNCH=0 to launch them in plain stream order.
 
 This module is the only one that reaches below numba-cuda's public kernel API: it takes
@@ -52,6 +54,7 @@ import threading
 import weakref
 
 import attrs
+import numba
 import numpy as np
 import torch
 
@@ -125,6 +128,24 @@ def launch_kernel(kernel, grid, block, *args, waits: bool = False, shared_bytes:
     configured(*args)
     calls.append(KernelCall(kernel, _dim3(grid), _dim3(block), args, compiled[0] if compiled else None, waits,
                             shared_bytes))
+
+
+def resident_ctas(kernel, block: int, shared_bytes: int, args: tuple) -> int:
+    """How many CTAs of `kernel` (for `args`, `block` threads and `shared_bytes` of dynamic
+    shared memory) this GPU holds at once: a grid's first wave, the CTAs that may start
+    before the kernel ahead of it ends under early launch. Compiles the kernel for `args`
+    if no launch has yet (the count is the driver's, from its registers and shared
+    memory). 0 in the simulator, which launches nothing early."""
+    if SIMULATED:
+        return 0
+    key = (kernel, block, shared_bytes, torch.cuda.current_device())
+    if key not in _RESIDENT_CTAS:
+        compiled = kernel.compile(tuple(numba.typeof(arg) for arg in args))
+        _RESIDENT_CTAS[key] = compiled.max_cooperative_grid_blocks(block, shared_bytes)
+    return _RESIDENT_CTAS[key]
+
+
+_RESIDENT_CTAS: dict = {}
 
 
 def allow_shared_memory(compiled, shared_bytes: int) -> None:

@@ -11,7 +11,7 @@ from hypothesis import assume, given, settings, strategies as st
 from layouts import BitPack, Layout, Quantized, Tensor, Transpose, formats
 from layouts.samples import random_quantized
 from layouts.strategies import spec_for
-from numba_kernels import interop
+from numba_kernels import gemm as gemm_module, interop
 from numba_kernels.align import moe_align_block_size
 from numba_kernels.fragments import (COPY_OFFSET_LIMIT, bit_spread, copy_offsets_fit, e2m1_moves, fast_path_supported,
                                      fragment_reader, lane_scales, move_instructions)
@@ -201,10 +201,12 @@ def test_trimmed_blocks_count_m_tiles_up_to_the_last_slot_wherever_the_padding_l
 
 
 @pytest.mark.parametrize("tile", [PREFILL, SPLIT, SWAP])
-def test_cta_order_early_weights_and_trimming_change_no_output_bit(tile):
+def test_cta_order_early_weights_and_trimming_change_no_output_bit(tile, monkeypatch):
     """chunks_first only reorders the grid, alignment_ready only moves the first weight
-    loads of a decode tile before the wait, trim_padding only drops m tiles of padding
-    (here a block of 32 rows holds at most 4 slots): every CTA computes what it did before."""
+    loads of a decode tile's first wave of CTAs before the wait (none, the first three, or
+    all of them here: `resident_ctas` stands in for the GPU's count), trim_padding only
+    drops m tiles of padding (here a block of 32 rows holds at most 4 slots): every CTA
+    computes what it did before."""
     shape, spec = (3, 160, 64), formats.native(4, 32)
     weights = KernelWeights.from_physical(spec, spec.pack(random_quantized(spec, shape, np.random.default_rng(1))),
                                           shape)
@@ -212,18 +214,19 @@ def test_cta_order_early_weights_and_trimming_change_no_output_bit(tile):
     act = torch.randn(4, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).to(device)
     topk_ids = torch.tensor([[0, 2], [1, 2], [2, 0], [0, 1]], dtype=torch.int32, device=device)
     alignment = moe_align_block_size(topk_ids, tile.block_m, shape[0], check_ids=False)
-    variants = [(attrs.evolve(tile, chunks_first=True), False)]
+    variants = [(attrs.evolve(tile, chunks_first=True), False, 0)]
     if not tile.a_in_shared:  # a prefill tile's first copies hold activations: it always waits first
-        variants.append((tile, True))
+        variants += [(tile, True, early) for early in (0, 3, 1 << 20)]
     if tile.trimmable:
-        variants.append((attrs.evolve(tile, trim_padding=True), False))
+        variants.append((attrs.evolve(tile, trim_padding=True), False, 0))
     first = grouped_gemm(act, weights, *alignment, num_slots=8, tile=tile)
     chunks = -(-160 // tile.block_n)
     assert (tile.grid(5, 160), attrs.evolve(tile, chunks_first=True).grid(5, 160)) == (
         (5, chunks, tile.split_k), (chunks, 5, tile.split_k))
-    for variant, ready in variants:
+    for variant, ready, early in variants:
+        monkeypatch.setattr(gemm_module, "resident_ctas", lambda *args, early=early: early)
         assert torch.equal(grouped_gemm(act, weights, *alignment, num_slots=8, tile=variant, alignment_ready=ready),
-                           first), (variant, ready)
+                           first), (variant, ready, early)
 
 
 def test_k_not_a_multiple_of_the_group_size():

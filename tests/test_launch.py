@@ -234,3 +234,15 @@ def test_a_kernel_gets_more_than_48_kb_of_dynamic_shared_memory_launched_or_repl
     out.fill_(float("nan"))
     Launcher(calls[0]).launch(interop.launch_stream_handle())
     torch.testing.assert_close(out, values.flip(0))
+
+
+@pytest.mark.gpu
+def test_resident_ctas_is_the_first_wave_that_shared_memory_allows():
+    """40 KB of dynamic shared memory a CTA (plus what CUDA reserves for each) bounds how
+    many CTAs a multiprocessor holds; the first wave is that on every multiprocessor."""
+    n, shared_bytes = 1024, 40 * 1024
+    values = torch.zeros(n, device="cuda")
+    args = (interop.to_kernel(values), interop.to_kernel(torch.empty_like(values)))
+    device = cuda.get_current_device()
+    per_sm = device.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR // (shared_bytes + device.RESERVED_SHARED_MEMORY_PER_BLOCK)
+    assert launch.resident_ctas(_reverse_through_shared, 128, shared_bytes, args) == per_sm * device.MULTIPROCESSOR_COUNT

@@ -10,11 +10,16 @@ loads, mma and 16-byte global loads in the PTX. Run it after changing a kernel's
 loop, before spending device time: a spill or a lost vector load shows here. With
 `--digest`, a hash of each kernel's PTX with the names that vary between processes
 normalised: a change meant to move code around without changing it (a refactor of
-`gemm` and its loops) must leave every digest as it was. With `--before-wait`, the kinds
-of global loads the SASS (needs nvdisasm) issues before `griddepcontrol.wait` (ACQBULK),
-as the layer's gemm2 runs launched early: only weights (`.CONSTANT`, and NVFP4's global
-scale) and the alignment from the L2 (`.STRONG.GPU`) belong there; a load of what the
-kernel before writes would read it unfinished (the sixty-first session's race).
+`gemm` and its loops) must leave every digest as it was. With `--before-wait`, the global
+loads the SASS (needs nvdisasm) places before each `griddepcontrol.wait` (ACQBULK), as
+the layer's gemm2 runs launched early. Its later CTAs take the first wait, at the start;
+its first wave branches past it and takes the second, after its first weight loads (a
+third, after the main loop, is for first-wave CTAs with no slabs). So before the second only weights (`.CONSTANT`, and NVFP4's global
+scale), the first wave's alignment from the L2 (`.STRONG.GPU`, under the predicate that
+skipped the first wait) and the later CTAs' alignment (plain `LDG.E`, under the other
+predicate) belong; an activation load there would read it unfinished (the sixty-first
+session's race). A listing to read beside the SASS, not a verdict: it does not follow
+branches (a plain `LDG.E` without a predicate may sit in a block only later CTAs run).
 """
 
 from __future__ import annotations
@@ -86,7 +91,7 @@ def compile_gemm(spec: QuantSpec, tile: GemmTile, n: int = 256, k: int = 512):
         reduced = np.zeros((4, n), np.int16)
     return compile_kernel(kernel, np.zeros((1, 4, k // 2), np.int32), _kernel_arrays(spec, (2, n, k)), ids, ids,
                           ids[:1], np.zeros(8, np.float32), out, reduced, np.zeros(64, np.int32), np.int32(8),
-                          np.int32(2))
+                          np.int32(2), np.int32(0))
 
 
 def resources(spec: QuantSpec, tile: GemmTile) -> str:
@@ -115,13 +120,16 @@ def digest(spec: QuantSpec, tile: GemmTile) -> str:
 
 
 def loads_before_wait(spec: QuantSpec, tile: GemmTile) -> str:
-    """The kinds of global loads in the SASS of `compile_gemm` before its first wait."""
-    kinds = set()
+    """The global loads in the SASS of `compile_gemm` before each of its waits, in layout
+    order, with their predicates: "wait 1: ... | wait 2: ..." (each the loads since the
+    wait before it)."""
+    segments, kinds = [], set()
     for line in sass(compile_gemm(spec, tile).ptx).splitlines():
         if "ACQBULK" in line:
-            return " ".join(sorted(kinds)) or "none"
-        kinds.update(re.findall(r"\bLDG\S*", line))
-    return "no wait"
+            segments.append(f"wait {len(segments) + 1}: " + (" ".join(sorted(kinds)) or "none"))
+            kinds = set()
+        kinds.update(" ".join(filter(None, load)) for load in re.findall(r"(@!?P\d+)?\s*(LDG\S*)", line))
+    return " | ".join(segments) or "no wait"
 
 
 if __name__ == "__main__":
