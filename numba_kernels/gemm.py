@@ -240,8 +240,8 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     waiting for that kernel, so they overlap its tail; only the activations wait. The
     other CTAs can start only as CTAs ahead of them leave, mostly after the wait has
     returned, so they wait first and read the alignment through the L1 (either order is
-    correct wherever a CTA starts): an L2 round trip in every CTA cost the decode grids of
-    several waves 1.5 to 4 % (Mixtral M = 16, DeepSeek M = 1 on the H200)."""
+    correct wherever a CTA starts): reading it from the L2 in every CTA cost decode grids
+    of more than one wave 1.5 to 4 % (Mixtral M = 16, DeepSeek M = 1 on the H200)."""
     plan = GemmPlan(spec, n, k, tile, half, pair_loads)
     output_scale, raw_words = plan.reader.output_scale, plan.reader.raw_words
     to_half, pack2 = ptx.to_half(half), ptx.pack2(half)
