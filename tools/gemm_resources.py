@@ -14,12 +14,13 @@ normalised: a change meant to move code around without changing it (a refactor o
 loads the SASS (needs nvdisasm) places before each `griddepcontrol.wait` (ACQBULK), as
 the layer's gemm2 runs launched early. Its later CTAs take the first wait, at the start;
 its first wave branches past it and takes the second, after its first weight loads (a
-third, after the main loop, is for first-wave CTAs with no slabs). So before the second only weights (`.CONSTANT`, and NVFP4's global
-scale), the first wave's alignment from the L2 (`.STRONG.GPU`, under the predicate that
-skipped the first wait) and the later CTAs' alignment (plain `LDG.E`, under the other
-predicate) belong; an activation load there would read it unfinished (the sixty-first
-session's race). A listing to read beside the SASS, not a verdict: it does not follow
-branches (a plain `LDG.E` without a predicate may sit in a block only later CTAs run).
+third, after the main loop, is for first-wave CTAs with no slabs). So before the second
+only weights (`.CONSTANT`, and NVFP4's global scale), the first wave's alignment from the
+L2 (`.STRONG.GPU`, under the predicate that skipped the first wait) and the later CTAs'
+alignment (plain `LDG.E`, under the other predicate) belong; an activation load there
+would read it unfinished (the sixty-first session's race). A listing to read beside the
+SASS, not a verdict: it does not follow branches (a plain `LDG.E` without a predicate may
+sit in a block only later CTAs run).
 """
 
 from __future__ import annotations
