@@ -219,6 +219,12 @@ def stage_buffer_bytes(spec: QuantSpec, n: int, k: int, half: str, tile: GemmTil
     return 4 * tile.stages * (tile.block_m * tile.row_words + staged.stage_words)
 
 
+def loads_weights_early(tile: GemmTile, alignment_ready: bool) -> bool:
+    """Whether the GEMM's first wave issues weight loads before its wait (see
+    make_grouped_gemm): decode tiles only, a prefill tile's first copies include activations."""
+    return alignment_ready and not tile.a_in_shared
+
+
 @functools.cache
 def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str, partial_output: bool,
                       mul_routed_weight: bool, pair_loads: bool = False, fused: tuple | None = None,
@@ -249,7 +255,7 @@ def make_grouped_gemm(spec: QuantSpec, n: int, k: int, tile: GemmTile, half: str
     block_m, threads, stages = tile.block_m, tile.threads, tile.stages
     a_in_shared, swap_ab, chunks_first = tile.a_in_shared, tile.swap_ab, tile.chunks_first
     steady_loop, trims, release_early = tile.steady_loop, tile.trim_padding, tile.release_early
-    early_weights = alignment_ready and not a_in_shared  # prefill's first copies include activations
+    early_weights = loads_weights_early(tile, alignment_ready)
     warps_n, warps_k, depth, stage_slabs = tile.warps_n, tile.warps_k, tile.slabs_per_warp, tile.stage_slabs
     warp_rows, m_tiles, row_halves, teams = plan.warp_rows, plan.m_tiles, plan.row_halves, plan.teams
     acc_i, acc_j = plan.acc_shape
@@ -714,8 +720,8 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
             interop.to_kernel(expert_ids), interop.to_kernel(num_tokens_post_padded), interop.to_kernel(weights_flat),
             interop.to_kernel(out_words), interop.to_kernel(reduced), interop.to_kernel(arrivals), np.int32(num_slots),
             np.int32(num_slots // act.shape[0]))
-    early = alignment_ready and not tile.a_in_shared  # see make_grouped_gemm
-    early_ctas = resident_ctas(kernel, tile.threads, shared_bytes, args + (np.int32(0),)) if early else 0
+    early_ctas = (resident_ctas(kernel, tile.threads, shared_bytes, args + (np.int32(0),))
+                  if loads_weights_early(tile, alignment_ready) else 0)
     launch_kernel(kernel, grid, tile.threads, *args, np.int32(early_ctas), waits=True, shared_bytes=shared_bytes)
     return then.out if out is None else out
 

@@ -50,10 +50,10 @@ before it still runs, once that one's CTAs have all called ``release_next`` or e
 are visible. A kernel so launched must wait before it reads anything an earlier kernel
 of the stream wrote, or writes anything one reads; even what a kernel that finished long
 before wrote: until the wait the SM's L1 may hold an older copy of the line (the one such
-read, gemm2's alignment, goes to the L2: ``load_coherent``). And it reads such data with
-plain loads (``load_written``), never the read-only path (``load_words``, for weights),
-whose loads ptxas may issue before the wait. On older GPUs, and under the
-simulator, both are no-ops (there kernels run in stream order anyway).
+read, gemm2's alignment in its first wave, goes to the L2: ``load_coherent``). And it
+reads such data with plain loads (``load_written``), never the read-only path
+(``load_words``, for weights), whose loads ptxas may issue before the wait. On older
+GPUs, and under the simulator, both are no-ops (there kernels run in stream order anyway).
 
 Shared-memory addresses are flat word offsets into a ``uint32`` shared array (the
 helpers address it in the shared window, see `_shared_pointer`). The asynchronous copies
