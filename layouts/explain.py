@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .checks import weight_shape
 from .spec import QuantSpec
 
 
@@ -16,12 +17,14 @@ def where(spec: QuantSpec, shape: tuple[int, int], n: int, k: int) -> tuple[str,
     with `BitPack.places` the offset is its slot's, the bits are places[offset:offset + bits]."""
     if spec.sort_k_by_group:
         raise ValueError("act-order Marlin stores K in a data-dependent order; unpack to locate")
+    shape = weight_shape("shape", shape, (2,))
     row, col, shift = spec.weight.layout.locate(shape)(n, k)
     return spec.weight.name, int(row), int(col), int(shift)
 
 
 def render(spec: QuantSpec, shape: tuple[int, int], max_rows: int = 8, max_cols: int = 4) -> str:
     """A table of the first physical words of the weight tensor and the (n, k) each slot holds."""
+    shape = weight_shape("shape", shape, (2,))
     rows, cols, shifts = spec.weight.layout.locate(shape)(*np.meshgrid(np.arange(shape[0]), np.arange(shape[1]), indexing="ij"))
     bits = spec.code.bits
     lines = [f"{spec.weight.name}{spec.weight.layout.physical_shape(shape)} for logical codes (N, K) = {shape}; "

@@ -5,9 +5,19 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
+from .checks import check_per_expert, integers
+
+
+def as_array(value) -> np.ndarray:
+    """np.asarray, also of torch bfloat16 tensors (checkpoints store scales so; numpy has no
+    bfloat16): their values, exact in float32."""
+    if str(getattr(value, "dtype", "")) == "torch.bfloat16":
+        value = value.float()
+    return np.asarray(value)
+
 
 def _array_or_none(value):
-    return None if value is None else np.asarray(value)
+    return None if value is None else as_array(value)
 
 
 @attrs.frozen(eq=False)
@@ -18,27 +28,30 @@ class Quantized:
                   fp4: e2m1 nibble codes 0..15).
     scales:       (..., N, G) float values, G = ceil(K / group_size) (1 when channel-wise).
     zeros:        (..., N, G) integer zero points in code space, for asymmetric formats.
-    g_idx:        (K,) or (E, K) group of each input feature (GPTQ act-order).
+    g_idx:        (K,), (1, K) or (E, K) integer group of each input feature (GPTQ act-order).
     global_scale: (), (1,) or (E,) per-tensor divisor of NVFP4 (w = e2m1 * scale / global_scale).
     """
 
-    codes: np.ndarray = attrs.field(converter=np.asarray)
-    scales: np.ndarray = attrs.field(converter=np.asarray)
-    zeros: np.ndarray | None = attrs.field(default=None, converter=_array_or_none)
-    g_idx: np.ndarray | None = attrs.field(default=None, converter=_array_or_none)
+    codes: np.ndarray = attrs.field(converter=as_array, validator=integers("the stored codes, not dequantized values"))
+    scales: np.ndarray = attrs.field(converter=as_array)
+    zeros: np.ndarray | None = attrs.field(default=None, converter=_array_or_none,
+                                           validator=integers("zero points in code space"))
+    g_idx: np.ndarray | None = attrs.field(default=None, converter=_array_or_none,
+                                           validator=integers("the group of each input feature"))
     global_scale: np.ndarray | None = attrs.field(default=None, converter=_array_or_none)
 
     def __attrs_post_init__(self):
         if self.codes.ndim not in (2, 3):
             raise ValueError(f"codes must be (N, K) or (E, N, K), got shape {self.codes.shape}")
-        if self.codes.dtype.kind not in "iu":
-            raise TypeError(f"codes must be integers (the stored codes, not dequantized values), got {self.codes.dtype}")
         if self.scales.shape[:-1] != self.codes.shape[:-1]:
             raise ValueError(f"scales must be shaped {self.codes.shape[:-1]} + (groups,), got {self.scales.shape}")
         if self.zeros is not None and self.zeros.shape != self.scales.shape:
             raise ValueError(f"zeros must have the scales' shape {self.scales.shape}, got {self.zeros.shape}")
-        if self.g_idx is not None and self.g_idx.shape[-1] != self.codes.shape[-1]:
-            raise ValueError(f"g_idx must have K = {self.codes.shape[-1]} entries, got shape {self.g_idx.shape}")
+        experts = self.codes.shape[:-2]
+        if self.g_idx is not None:
+            check_per_expert("g_idx", self.g_idx.shape, experts, self.codes.shape[-1:])
+        if self.global_scale is not None:
+            check_per_expert("global_scale", self.global_scale.shape, experts)
 
     @property
     def shape(self) -> tuple[int, ...]:

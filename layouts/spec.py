@@ -18,12 +18,14 @@ The dequantization formula, for an output row n and input column k with group g(
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import attrs
 import numpy as np
 
-from .checks import check_group_size
+from .checks import check_group_size, check_per_expert, weight_shape
 from .encodings import E2M1, FloatFormat, IntCode
-from .quantized import Quantized
+from .quantized import Quantized, as_array
 from .transforms import Layout
 
 
@@ -98,9 +100,7 @@ class QuantSpec:
 
     def check_shape(self, shape: tuple[int, ...]) -> None:
         """Raise ValueError if this spec cannot store a weight of logical `shape`."""
-        if len(shape) not in (2, 3):
-            raise ValueError(f"{self.name}: weight shape must be (N, K) or (E, N, K), got {shape}")
-        n, k = shape[-2:]
+        n, k = weight_shape(f"{self.name}: weight shape", shape)[-2:]
         grid = (n, k)
         for tensor, tensor_shape in self._tensors((n, k)):
             try:
@@ -120,10 +120,13 @@ class QuantSpec:
         """(N, K) or (E, N, K) of the weight stored in `physical`. Layouts that pad cannot
         recover the unpadded shape from the arrays: pass it as `shape` then."""
         if shape is not None:
-            return tuple(shape)
+            return weight_shape(f"{self.name}: shape", shape)
+        stored = self._stored(physical, self.weight.name, "iu")
         if self.shape_name is not None and self.shape_name in physical:
-            return tuple(int(v) for v in np.asarray(physical[self.shape_name]))
-        stored = np.asarray(self._get(physical, self.weight.name))
+            return weight_shape(f"{self.name}: {self.shape_name}", self._stored(physical, self.shape_name, "iu"))
+        if stored.ndim not in (2, 3):
+            raise ValueError(f"{self.name}: {self.weight.name} must be (rows, cols) or (E, rows, cols), "
+                             f"got shape {stored.shape}")
         return stored.shape[:-2] + self.weight.layout.logical_shape(stored.shape[-2:])
 
     # -- pack / unpack ----------------------------------------------------------------------
@@ -140,9 +143,8 @@ class QuantSpec:
             codes, scales = self._fold_scale_signs(codes, scales, g_idx)
         physical: dict[str, np.ndarray] = {}
         if self.sort_k_by_group:
-            order = np.argsort(g_idx, axis=-1, kind="stable") if sort_indices is None else np.asarray(sort_indices)
-            if order.shape != g_idx.shape or not np.array_equal(np.sort(order, axis=-1), np.broadcast_to(np.arange(g_idx.shape[-1]), order.shape)):
-                raise ValueError(f"sort_indices must be a permutation of the {g_idx.shape[-1]} input features")
+            order = np.argsort(g_idx, axis=-1, kind="stable") if sort_indices is None else \
+                self._sort_indices(as_array(sort_indices), g_idx, "sort_indices")
             codes, g_idx = take_k(codes, order), take_k(g_idx, order)
             physical[self.sort_indices_name] = order.astype(np.int32)
         physical[self.weight.name] = self.weight.layout.pack(codes)
@@ -164,22 +166,22 @@ class QuantSpec:
         shape = self.logical_shape(physical, shape)
         n, k = shape[-2:]
         scale_shape = (n, self.groups(k))
-        codes = self.weight.layout.unpack(self._stored(physical, self.weight.name, "iu"), (n, k))
+        codes = self._unpack(physical, self.weight, (n, k), "iu")
+        experts = codes.shape[:-2]
         scale_kinds = "f" if self.scale_format.storage_dtype.kind == "f" else "iu"
-        scales = self.scale_format.decode(self.scales.layout.unpack(
-            self._stored(physical, self.scales.name, scale_kinds), scale_shape))
+        scales = self.scale_format.decode(self._unpack(physical, self.scales, scale_shape, scale_kinds))
         zeros = g_idx = global_scale = None
         if self.zeros is not None:
-            stored = self.zeros.layout.unpack(self._stored(physical, self.zeros.name, "iu"), scale_shape)
+            stored = self._unpack(physical, self.zeros, scale_shape, "iu")
             zeros = ((stored.astype(np.int64) - self.zero_offset) % (1 << self.code.bits)).astype(np.int32)
         if self.g_idx_name is not None:
-            g_idx = np.asarray(self._stored(physical, self.g_idx_name, "iu"), np.int32)
+            g_idx = np.asarray(self._stored(physical, self.g_idx_name, "iu", experts, (k,)), np.int32)
         if self.sort_k_by_group:
-            order = np.asarray(self._stored(physical, self.sort_indices_name, "iu"), np.int64)
+            order = self._sort_indices(self._stored(physical, self.sort_indices_name, "iu"), g_idx)
             inverse = np.argsort(order, axis=-1)
             codes, g_idx = take_k(codes, inverse), take_k(g_idx, inverse)
         if self.global_scale_name is not None:
-            stored = np.asarray(self._get(physical, self.global_scale_name), np.float32)
+            stored = self._stored(physical, self.global_scale_name, "f", experts).astype(np.float32)
             global_scale = (np.float32(1.0) / stored) if self.global_scale_reciprocal else stored
         return Quantized(codes, scales, zeros, g_idx, global_scale)
 
@@ -224,18 +226,39 @@ class QuantSpec:
         return codes, np.where(scales == 0, np.float32(1.0), np.abs(scales))
 
     def _get(self, physical: dict, name: str):
+        if not isinstance(physical, Mapping):
+            raise TypeError(f"{self.name}: physical must be a mapping of tensor names to arrays, "
+                            f"got {type(physical).__name__}")
         if name not in physical:
             raise KeyError(f"{self.name}: the physical tensors have no {name!r} (got {sorted(physical)})")
         return physical[name]
 
-    def _stored(self, physical: dict, name: str, kinds: str) -> np.ndarray:
+    def _stored(self, physical: dict, name: str, kinds: str, experts: tuple[int, ...] | None = None,
+                tail: tuple[int, ...] = ()) -> np.ndarray:
         """Tensor `name` as an array whose dtype kind is one of `kinds` ("iu": integer words
-        or bits, "f": float values): a float array of words would unpack silently wrong."""
-        value = np.asarray(self._get(physical, name))
+        or bits, "f": float values): a float array of words would unpack silently wrong.
+        Given `experts`, it must be shaped as `check_per_expert` allows."""
+        given = self._get(physical, name)
+        value = as_array(given)
         if value.dtype.kind not in kinds:
             expected = "integer words or bits" if kinds == "iu" else "float values"
-            raise TypeError(f"{self.name}: {name} must hold {expected}, got {value.dtype}")
+            raise TypeError(f"{self.name}: {name} must hold {expected}, got {getattr(given, 'dtype', value.dtype)}")
+        if experts is not None:
+            check_per_expert(f"{self.name}: {name}", value.shape, experts, tail)
         return value
+
+    def _sort_indices(self, order: np.ndarray, g_idx: np.ndarray, name: str | None = None) -> np.ndarray:
+        """`order` (int64), if it permutes the K input features, one permutation per row of g_idx."""
+        k = g_idx.shape[-1]
+        permutes = np.array_equal(np.sort(order, axis=-1), np.broadcast_to(np.arange(k), order.shape))
+        if order.shape != g_idx.shape or not permutes:
+            raise ValueError(f"{self.name}: {name or self.sort_indices_name} must be shaped like g_idx {g_idx.shape}, "
+                             f"each row a permutation of 0..{k - 1} (got shape {order.shape})")
+        return order.astype(np.int64)
+
+    def _unpack(self, physical: dict, tensor: Tensor, shape: tuple[int, int], kinds: str) -> np.ndarray:
+        """The logical (…, *shape) values of a stored tensor with a layout."""
+        return tensor.layout.unpack(self._stored(physical, tensor.name, kinds), shape, f"{self.name}: {tensor.name}")
 
     def _check_quantized(self, q: Quantized) -> None:
         self.check_shape(q.codes.shape)
@@ -252,9 +275,9 @@ class QuantSpec:
         if (self.global_scale_name is None) != (q.global_scale is None):
             raise ValueError(f"{self.name}: global_scale {'required' if self.global_scale_name else 'not used'} by this format")
         limit = 1 << self.code.bits
-        if q.codes.size and (q.codes.min() < 0 or q.codes.max() >= limit):
+        if q.codes.min() < 0 or q.codes.max() >= limit:
             raise ValueError(f"{self.name}: codes must lie in [0, {limit})")
-        if q.zeros is not None and q.zeros.size and (q.zeros.min() < 0 or q.zeros.max() >= limit):
+        if q.zeros is not None and (q.zeros.min() < 0 or q.zeros.max() >= limit):
             raise ValueError(f"{self.name}: zero points must lie in [0, {limit})")
 
     def __repr__(self) -> str:

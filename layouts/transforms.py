@@ -514,12 +514,12 @@ class Layout:
         words = words.astype(np.uint64).astype(np.uint32 if pack.word_bits == 32 else np.uint8)
         return words.view(pack.dtype).reshape(batch + (out_rows, out_cols))
 
-    def unpack(self, physical: np.ndarray, shape: Shape) -> np.ndarray:
-        """Gather the logical (..., R, C) values back from the physical array."""
+    def unpack(self, physical: np.ndarray, shape: Shape, name: str = "physical array") -> np.ndarray:
+        """Gather the logical (..., R, C) values back from the physical array (`name` names it in errors)."""
         physical = np.asarray(physical)
         expected = self.physical_shape(shape)
         if physical.shape[-2:] != expected:
-            raise ValueError(f"physical array has shape {physical.shape}, expected (..., {expected[0]}, {expected[1]})")
+            raise ValueError(f"{name} has shape {physical.shape}, expected (..., {expected[0]}, {expected[1]})")
         rows, cols, shifts = self._grid(shape)
         pack = self.bitpack
         if pack is None:

@@ -23,10 +23,10 @@ from numba_kernels.batched_align import batched_align, batched_sizes, check_coun
 from .config import MoEConfig
 from .oracle import select_batched_backend
 from .replay import ProgramCache
-from .runner import Prepared, check_weights, run
+from .runner import ROW_ALIGNMENT, Prepared, check_weights, run
 from .weights import ExpertWeights, gemm_spec
-from .workspace import (CallBuffers, arrivals_elements, gemm_out_elements, gemm_view, permuted_buffer, permuted_views,
-                        starts_within)
+from .workspace import (CallBuffers, arrivals_elements, check_layer_types, gemm_out_elements, gemm_view,
+                        permuted_buffer, permuted_views, starts_within)
 
 
 class BatchedWorkspace:
@@ -34,10 +34,11 @@ class BatchedWorkspace:
     `expected_tokens_per_expert` (default: all of them) picks the tiles, once."""
 
     def __init__(self, config: MoEConfig, tokens_per_expert: int, spec, *, expected_tokens_per_expert: int | None = None):
-        if tokens_per_expert < 1:
-            raise ValueError(f"tokens_per_expert must be positive, got {tokens_per_expert}")
+        check_layer_types(config, spec)
+        interop.check_count("tokens_per_expert", tokens_per_expert, 1)
         self.config, self.spec, self.tokens_per_expert = config, gemm_spec(spec), tokens_per_expert
         expected = tokens_per_expert if expected_tokens_per_expert is None else expected_tokens_per_expert
+        interop.check_count("expected_tokens_per_expert", expected, 1)
         self.backend = select_batched_backend(config, expected, self.spec)
         experts = config.num_local_experts
         slots = experts * tokens_per_expert
@@ -61,7 +62,7 @@ class BatchedWorkspace:
             arrivals=empty(arrivals_elements(config, self.backend, blocks, slots), torch.int32),
             **permuted_views(permuted_buffer(config, slots), config, slots),
         )
-        self.programs = ProgramCache()  # recorded calls (see replay), one per weights and input alignment
+        self.programs = ProgramCache()  # recorded calls (see replay), one per weights
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` starts inside one of the workspace's buffers."""
@@ -75,13 +76,15 @@ def batched_moe(hidden_states, counts, weights: ExpertWeights, config: MoEConfig
     `check_counts` validates the counts (a host sync; pass False in graphs)."""
     check_weights(config, weights)
     experts, half = config.num_local_experts, getattr(torch, config.dtype)
-    hidden_states = interop.check_tensor("hidden_states", hidden_states, dtype=half, ndim=3)
+    hidden_states = interop.check_tensor("hidden_states", hidden_states, dtype=half, ndim=3, alignment=ROW_ALIGNMENT)
     if hidden_states.shape[0] != experts or hidden_states.shape[2] != config.hidden_size:
         raise ValueError(f"hidden_states must be (num_local_experts={experts}, T, {config.hidden_size}), "
                          f"got {tuple(hidden_states.shape)}")
     tokens_per_expert = hidden_states.shape[1]
     if workspace is None:
         workspace = BatchedWorkspace(config, tokens_per_expert, weights.spec)
+    if not isinstance(workspace, BatchedWorkspace):
+        raise TypeError(f"workspace must be a BatchedWorkspace, got {type(workspace).__name__}")
     if workspace.config != config or workspace.tokens_per_expert != tokens_per_expert:
         raise ValueError(f"the workspace was built for tokens_per_expert={workspace.tokens_per_expert} of "
                          f"another config; this call has {tokens_per_expert} rows per expert")
@@ -97,5 +100,5 @@ def batched_moe(hidden_states, counts, weights: ExpertWeights, config: MoEConfig
         return run(Prepared(config, workspace.backend, buffers, rows, buffers.topk_weights, buffers.topk_ids), weights)
 
     rows = hidden_states.view(experts * tokens_per_expert, config.hidden_size)
-    output = workspace.programs.run(rows.data_ptr() % 16 == 0, weights, sequence, (rows, counts), workspace.owns)
+    output = workspace.programs.run(None, weights, sequence, (rows, counts), workspace.owns)
     return output.view(experts, tokens_per_expert, config.hidden_size)

@@ -4,6 +4,8 @@ on it."""
 
 from __future__ import annotations
 
+import operator
+
 import attrs
 
 from layouts import E2M1, QuantSpec, formats
@@ -18,6 +20,19 @@ _HALVES = ("bfloat16", "float16")
 def _positive(instance, attribute, value):
     if not isinstance(value, int) or value < 1:
         raise ValueError(f"{attribute.name} must be a positive int, got {value!r}")
+
+
+def _to_expert_map(value) -> tuple[int, ...] | None:
+    """A sequence of integers as a tuple; floats or a string are refused, not truncated."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        raise TypeError(f"expert_map must be a sequence of ints, got the string {value!r}")
+    try:
+        return tuple(operator.index(v) for v in value)
+    except TypeError:
+        raise TypeError(f"expert_map must be a sequence of ints (global expert -> local index or -1), "
+                        f"got {value!r}") from None
 
 
 def _to_activation(value) -> Activation:
@@ -109,8 +124,7 @@ class MoEConfig:
     num_expert_group: int | None = None
     topk_group: int | None = None
     routed_scaling_factor: float = 1.0
-    expert_map: tuple[int, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(
-        lambda value: tuple(int(v) for v in value)))
+    expert_map: tuple[int, ...] | None = attrs.field(default=None, converter=_to_expert_map)
     quant: QuantScheme = attrs.field(factory=QuantScheme)
     dtype: str = attrs.field(default="bfloat16", validator=one_of(_HALVES))
 
@@ -123,7 +137,15 @@ class MoEConfig:
             local = sorted(v for v in self.expert_map if v >= 0)
             if local != list(range(len(local))) or any(v < -1 for v in self.expert_map):
                 raise ValueError("expert_map must send local experts to 0..L-1 (each once) and the others to -1")
+            if not local:
+                raise ValueError("expert_map must keep at least one expert on this rank, got all -1")
         self.routing.check_experts(self.num_experts)
+
+    @quant.validator
+    def _check_quant(self, attribute, value):
+        if not isinstance(value, QuantScheme):
+            raise TypeError(f"quant must be a QuantScheme, e.g. QuantScheme('gptq', bits=4, group_size=128), "
+                            f"got {value!r}")
 
     @property
     def routing(self) -> RoutingConfig:

@@ -33,6 +33,10 @@ class GemmStep:
 class MoEHooks:
     """Hooks that do nothing; subclass and override what you need."""
 
+    def check(self, config) -> None:
+        """Called before a forward's first kernel: raise if these hooks cannot serve a layer
+        shaped like `config` (`MoEConfig`)."""
+
     def pre_gemm(self, step: GemmStep) -> None:
         """Called before the GEMM writes `step.out`."""
 

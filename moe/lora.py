@@ -12,6 +12,7 @@ output, it works with every weight format, quantized bases included.
 
 from __future__ import annotations
 
+import numbers
 from typing import Sequence
 
 import attrs
@@ -39,22 +40,43 @@ class LoRAAdapter:
     down_b: torch.Tensor
     scaling: float = 1.0
 
+    def __attrs_post_init__(self):
+        for field in _RANK_AXES:
+            value = getattr(self, field)
+            if not isinstance(value, torch.Tensor) or value.dim() != 3:
+                raise TypeError(f"{field} must be a 3-D torch tensor (experts first), got {_describe(value)}")
+        for field, rank_axis in _RANK_AXES.items():
+            if getattr(self, field).shape[rank_axis] != self.rank:
+                raise ValueError(f"{field} must hold the rank ({self.rank}, gate_up_a's second axis) along axis "
+                                 f"{rank_axis}, got shape {tuple(getattr(self, field).shape)}")
+        if isinstance(self.scaling, bool) or not isinstance(self.scaling, numbers.Real):
+            raise TypeError(f"scaling must be a number (alpha / r), got {self.scaling!r}")
+
     @property
     def rank(self) -> int:
         return int(self.gate_up_a.shape[1])
 
 
-def _stack(adapters: Sequence[LoRAAdapter], field: str, rank: int, rank_axis: int, shape, dtype) -> torch.Tensor:
-    """(adapters, *shape) with each adapter's tensor zero padded along its rank axis."""
+_RANK_AXES = {"gate_up_a": 1, "gate_up_b": 2, "down_a": 1, "down_b": 2}
+
+
+def _describe(value) -> str:
+    return f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def _stack(adapters: Sequence[LoRAAdapter], field: str, shape, dtype) -> torch.Tensor:
+    """(adapters, *shape) with each adapter's tensor zero padded along its rank axis (a
+    copy: an adapter's parameters may require grad, the kernels' tensors never do)."""
+    rank_axis = _RANK_AXES[field]
     stacked = torch.zeros((len(adapters),) + tuple(shape), dtype=dtype, device=interop.kernel_device())
     for index, adapter in enumerate(adapters):
         value = getattr(adapter, field)
         expected = tuple(shape[a] if a != rank_axis else value.shape[a] for a in range(len(shape)))
-        if tuple(value.shape) != expected or value.shape[rank_axis] > rank:
+        if tuple(value.shape) != expected:
             raise ValueError(f"adapter {index}: {field} must be shaped {expected} (rank axis {rank_axis}), "
                              f"got {tuple(value.shape)}")
         target = stacked[index].narrow(rank_axis, 0, value.shape[rank_axis])
-        target.copy_(value.to(device=stacked.device, dtype=dtype))
+        target.copy_(value.detach().to(device=stacked.device, dtype=dtype))
     return stacked
 
 
@@ -64,14 +86,18 @@ class LoRAHooks(MoEHooks):
     def __init__(self, config: MoEConfig, adapters: Sequence[LoRAAdapter], max_tokens: int):
         if not adapters:
             raise ValueError("LoRAHooks needs at least one adapter")
+        for index, adapter in enumerate(adapters):
+            if not isinstance(adapter, LoRAAdapter):
+                raise TypeError(f"adapter {index} must be a LoRAAdapter, got {type(adapter).__name__}")
+        interop.check_count("max_tokens", max_tokens, 1)
         dtype, experts = getattr(torch, config.dtype), config.num_local_experts
         h, i, n1 = config.hidden_size, config.intermediate_size, config.gate_up_size
         rank = max(adapter.rank for adapter in adapters)
         self.config, self.rank, self.max_tokens = config, rank, max_tokens
-        self.gate_up_a = _stack(adapters, "gate_up_a", rank, 1, (experts, rank, h), dtype)
-        self.gate_up_b = _stack(adapters, "gate_up_b", rank, 2, (experts, n1, rank), dtype)
-        self.down_a = _stack(adapters, "down_a", rank, 1, (experts, rank, i), dtype)
-        self.down_b = _stack(adapters, "down_b", rank, 2, (experts, h, rank), dtype)
+        self.gate_up_a = _stack(adapters, "gate_up_a", (experts, rank, h), dtype)
+        self.gate_up_b = _stack(adapters, "gate_up_b", (experts, n1, rank), dtype)
+        self.down_a = _stack(adapters, "down_a", (experts, rank, i), dtype)
+        self.down_b = _stack(adapters, "down_b", (experts, h, rank), dtype)
         device = interop.kernel_device()
         self.scaling = torch.tensor([a.scaling for a in adapters], dtype=torch.float32, device=device)
         self.expert_map = None if config.expert_map is None else torch.tensor(
@@ -95,6 +121,11 @@ class LoRAHooks(MoEHooks):
                                  f"to {high}")
         self._token_adapter[:token_adapter.shape[0]].copy_(token_adapter)
         self._num_tokens = token_adapter.shape[0]
+
+    def check(self, config: MoEConfig) -> None:
+        if config != self.config:
+            raise ValueError("the LoRA hooks were built for another MoEConfig than the layer's (shapes, experts and "
+                             "dtype must match)")
 
     def post_gemm(self, step: GemmStep) -> None:
         tokens = step.topk_ids.shape[0]

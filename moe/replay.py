@@ -2,7 +2,7 @@
 
 Launching a forward's five or six kernels through Numba costs far more host time than
 the GPU spends on them at decode (see `numba_kernels.launch`). So the first forward of a
-given kind (token count, input dtypes and alignment, weights) runs the kernel wrappers
+given kind (token count, input dtypes, weights) runs the kernel wrappers
 as usual inside `launch.recording()`, and the recorded launches become a `Program`:
 `Launcher`s with their parameters packed, plus a note of every array argument that reads
 one of the call's inputs. Later forwards of that kind re-point those arguments at the new

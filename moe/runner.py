@@ -44,6 +44,9 @@ from .weights import ExpertWeights
 from .workspace import CallBuffers, Workspace
 
 _NO_HOOKS = MoEHooks()
+ROW_ALIGNMENT = 16
+"""Bytes the hidden states must start aligned to: prefill tiles copy their rows in 16-byte
+vectors (`gemm.grouped_gemm`), and a recorded forward may replay on any later input."""
 
 
 @attrs.frozen(eq=False)
@@ -65,7 +68,7 @@ class Inputs:
         """What a recorded forward depends on besides the weights and the tensors' memory:
         calls of one kind launch the same kernels on the same buffers."""
         dtypes = tuple(None if t is None else t.dtype for t in (self.router_logits, self.correction_bias))
-        return self.hidden_states.shape[0], self.hidden_states.data_ptr() % 16 == 0, dtypes
+        return self.hidden_states.shape[0], dtypes
 
 
 def check_expert_ids(config: MoEConfig, topk_ids: torch.Tensor) -> None:
@@ -77,6 +80,11 @@ def check_expert_ids(config: MoEConfig, topk_ids: torch.Tensor) -> None:
 
 def check_weights(config: MoEConfig, weights: ExpertWeights) -> None:
     """Raise unless `weights` were built for `config` and every local expert is loaded."""
+    if not isinstance(weights, ExpertWeights):
+        raise TypeError(f"weights must be ExpertWeights (MoELayer.weights, or process_weights_after_loading's "
+                        f"result), got {type(weights).__name__}")
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
     if weights.config is not config and weights.config != config:  # `is` first: eq compares every field
         raise ValueError("weights were built for another MoEConfig than the one given")
     weights.check_loaded()
@@ -87,10 +95,12 @@ def check_inputs(config: MoEConfig, weights: ExpertWeights, workspace: Workspace
     """Validate a call (see `fused_moe`) before any kernel runs; `check_ids` checks given
     topk_ids' values (a host sync)."""
     check_weights(config, weights)
+    if not isinstance(workspace, Workspace):
+        raise TypeError(f"workspace must be a Workspace, got {type(workspace).__name__}")
     if workspace.config is not config and workspace.config != config:
         raise ValueError("the workspace was built for another MoEConfig than the one given")
     half = getattr(torch, config.dtype)
-    hidden_states = interop.check_tensor("hidden_states", hidden_states, dtype=half, ndim=2)
+    hidden_states = interop.check_tensor("hidden_states", hidden_states, dtype=half, ndim=2, alignment=ROW_ALIGNMENT)
     tokens = hidden_states.shape[0]
     if hidden_states.shape[1] != config.hidden_size:
         raise ValueError(f"hidden_states must be (M, {config.hidden_size}), got {tuple(hidden_states.shape)}")
@@ -207,6 +217,10 @@ def forward(config: MoEConfig, weights: ExpertWeights, workspace: Workspace, hid
     inputs = check_inputs(config, weights, workspace, hidden_states, router_logits, topk=topk,
                           correction_bias=correction_bias, check_ids=check_ids)
     if hooks is not None:  # hooks run arbitrary Python between the kernels: never replayed
+        if not isinstance(hooks, MoEHooks):
+            raise TypeError(f"hooks (fused_moe's lora) must be MoEHooks, e.g. LoRAHooks(config, adapters, max_tokens), "
+                            f"got {type(hooks).__name__}")
+        hooks.check(config)
         return run(prepare(config, weights, workspace, inputs), weights, hooks)
 
     def sequence(tensors):
@@ -229,6 +243,7 @@ def fused_moe(hidden_states, router_logits, weights: ExpertWeights, config: MoEC
     topk_ids (a host sync).
     """
     if workspace is None:
+        check_weights(config, weights)  # before weights.spec is read
         workspace = Workspace(config, interop.as_tensor(hidden_states, "hidden_states").shape[0], weights.spec)
     return forward(config, weights, workspace, hidden_states, router_logits, topk=topk,
                    correction_bias=correction_bias, check_ids=check_ids, hooks=lora)

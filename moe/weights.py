@@ -26,7 +26,7 @@ from typing import Iterable, Mapping
 import numpy as np
 import torch
 
-from layouts import QuantSpec
+from layouts import QuantSpec, formats
 from numba_kernels import interop
 from numba_kernels.permute import groups_are_runs, plain_spec
 from numba_kernels.repack import destination_tensors, repack
@@ -44,6 +44,22 @@ def _to_tensor(value) -> torch.Tensor:
             array = array.view(np.int32)
         return torch.from_numpy(np.ascontiguousarray(array))
     return interop.as_tensor(value, "checkpoint tensor")
+
+
+def tensor_names(spec: QuantSpec) -> frozenset[str]:
+    """The checkpoint tensors `spec` reads."""
+    optional = (spec.zeros.name if spec.zeros is not None else None, spec.g_idx_name,
+                spec.sort_indices_name if spec.sort_k_by_group else None, spec.global_scale_name, spec.shape_name)
+    return frozenset((spec.weight.name, spec.scales.name) + optional) - {None}
+
+
+UNREAD_NAMES = frozenset().union(*(tensor_names(spec) for spec in (
+    formats.gptq(symmetric=False, act_order=True), formats.awq(), formats.compressed_tensors(symmetric=False),
+    formats.marlin(zero_points=True), formats.marlin(act_order=True),
+    *(formats.nvfp4(checkpoint=name) for name in formats.NVFP4_CHECKPOINTS)))) | {"input_scale", "input_global_scale"}
+"""Checkpoint tensors a format may carry without needing them (symmetric GPTQ's constant
+qzeros, a trivial g_idx, activation scales): skipped. Any other name (an expert bias, a
+misspelt tensor) is refused rather than silently left out."""
 
 
 def kernel_spec(config: MoEConfig) -> QuantSpec:
@@ -64,6 +80,39 @@ def permutes_inputs(config: MoEConfig) -> bool:
     return plain_spec(kernel_spec(config)) is not None
 
 
+def _check_stored_shape(label: str, tensor: torch.Tensor, logical: tuple[int, int], experts: int) -> None:
+    """compressed-tensors' weight_shape: the stacked (E, N, K), or (N, K) once per expert."""
+    stored = tensor.reshape(-1).tolist()
+    if stored != [experts, *logical] and stored != [*logical] * experts:
+        raise ValueError(f"{label} is {stored}, the layer expects {[experts, *logical]} or {list(logical)} "
+                         "per expert")
+
+
+def check_g_idx(name: str, g_idx: torch.Tensor, k: int, groups: int) -> None:
+    """Act-order's group of each input feature: (K,) integers in [0, groups)."""
+    if g_idx.dtype.is_floating_point or g_idx.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integer group indices, got {g_idx.dtype}")
+    if tuple(g_idx.shape) != (k,):
+        raise ValueError(f"{name} must have shape ({k},) (a group index per input feature), got {tuple(g_idx.shape)}")
+    low, high = int(g_idx.min()), int(g_idx.max())
+    if low < 0 or high >= groups:
+        raise ValueError(f"{name} must lie in [0, {groups}) (the groups of K = {k}), got values from {low} to {high}")
+
+
+def _check_unread(name: str, tensor: torch.Tensor, k: int, spec: QuantSpec) -> None:
+    """A tensor the format carries but does not read must say nothing: a g_idx in K order
+    (`k // group_size`), or one value throughout (symmetric GPTQ's qzeros). Otherwise the
+    checkpoint is act-order or has zero points, and the QuantScheme says it has not."""
+    if name == "g_idx" and tensor.numel():
+        trivial = torch.arange(k, device=tensor.device) // (spec.group_size or k)
+        if tensor.shape != trivial.shape or not torch.equal(tensor.long(), trivial):
+            raise ValueError(f"{name} is not in K order: the checkpoint is act-order, and {spec.name} reads no "
+                             "g_idx (QuantScheme(act_order=True))")
+    elif name != "g_idx" and tensor.numel() and not bool((tensor == tensor.reshape(-1)[0]).all()):
+        raise ValueError(f"{name} varies, and {spec.name} does not read it: zero points need "
+                         "QuantScheme(symmetric=False)")
+
+
 class ExpertWeights:
     """The layer's w13 and w2 in the layout the kernels read, preallocated for the local
     experts; `load_expert` / `load` fill them from checkpoint tensors.
@@ -75,6 +124,8 @@ class ExpertWeights:
                       (`w13.k_order`, `w2.k_order`)."""
 
     def __init__(self, config: MoEConfig):
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
         self.config = config
         self.checkpoint_spec = config.quant.checkpoint_spec(config.dtype)
         self.stored_spec = kernel_spec(config)
@@ -110,16 +161,44 @@ class ExpertWeights:
 
     def _convert(self, role: str, physical: Mapping, logical: tuple[int, int], out: dict, expert: int, *,
                  dst_rows: int, row_offset: int = 0) -> None:
-        source = KernelWeights.from_physical(self.checkpoint_spec, self._on_device(role, physical), logical)
-        if source.num_experts != 1:
-            raise ValueError(f"{role} must hold one expert's tensors, got {source.num_experts} experts")
-        repack(source, self.stored_spec, out=out, experts=range(expert, expert + 1), row_offset=row_offset,
-               dst_rows=dst_rows, zero_first=row_offset == 0)
+        try:
+            physical = self._read_names(physical, logical)
+            source = KernelWeights.from_physical(self.checkpoint_spec, self._on_device(role, physical), logical)
+            if source.num_experts != 1:
+                raise ValueError(f"must hold one expert's tensors, got {source.num_experts} experts")
+            repack(source, self.stored_spec, out=out, experts=range(expert, expert + 1), row_offset=row_offset,
+                   dst_rows=dst_rows, zero_first=row_offset == 0)
+        except (ValueError, TypeError, KeyError) as error:  # say which projection of which expert
+            message = error.args[0] if isinstance(error, KeyError) and error.args else error
+            raise type(error)(f"expert {expert}, {role}: {message}") from error
+
+    def _read_names(self, physical: Mapping, logical: tuple[int, int]) -> dict:
+        """The tensors of `physical` that the checkpoint spec reads, after checking the rest
+        are names checkpoints carry unread (`UNREAD_NAMES`) and a stored logical shape
+        (compressed-tensors' weight_shape) or act-order g_idx agree with the layer."""
+        spec = self.checkpoint_spec
+        read = tensor_names(spec)
+        unknown = sorted(set(physical) - read - UNREAD_NAMES)
+        if unknown:
+            raise ValueError(f"unexpected tensors {unknown} ({spec.name} reads {sorted(read)}; expert biases or "
+                             "other extra tensors are not supported)")
+        k = logical[1]
+        for name, value in physical.items():
+            tensor = _to_tensor(value)
+            if name == spec.shape_name:
+                _check_stored_shape(name, tensor, logical, experts=1)
+            if name == spec.g_idx_name:
+                check_g_idx(name, tensor, k, spec.groups(k))
+            if name not in read:
+                _check_unread(name, tensor, k, spec)
+        return {name: value for name, value in physical.items() if name in read and name != spec.shape_name}
 
     def load_expert(self, expert: int, w1: Mapping, w2: Mapping, w3: Mapping | None = None) -> None:
         """Convert local expert `expert`'s checkpoint tensors (engine names, one expert's
         shapes: w1 and w3 (I, H), w2 (H, I)) into the kernel buffers."""
         config = self.config
+        if isinstance(expert, bool) or not isinstance(expert, (int, np.integer)):
+            raise TypeError(f"expert must be an int (a local expert index), got {expert!r}")
         if not 0 <= expert < config.num_local_experts:
             raise IndexError(f"expert must lie in [0, {config.num_local_experts}), got {expert}")
         self._check_mappings(w1, w2, w3)
@@ -156,6 +235,8 @@ class ExpertWeights:
         weight, or only the packed codes) has no scales to convert with."""
         spec = self.checkpoint_spec
         for role, physical in (("w1", w1), ("w2", w2), ("w3", w3)):
+            if physical is None and role != "w3":
+                raise TypeError(f"{role} is required (the checkpoint's {spec.name} tensors by name)")
             if physical is not None and not isinstance(physical, Mapping):
                 raise TypeError(f"{role} must map the checkpoint's tensor names to tensors ({spec.name}: "
                                 f"{spec.weight.name!r}, {spec.scales.name!r}, ...), got {type(physical).__name__}")
@@ -164,7 +245,7 @@ class ExpertWeights:
         """The kernel layout keeps one NVFP4 global scale per expert for [w1; w3]: checkpoint
         exporters give fused gate/up projections one (ModelOpt unifies their amax)."""
         name = self.checkpoint_spec.global_scale_name
-        if name is None or w3 is None:
+        if name is None or w3 is None or name not in w1 or name not in w3:  # a missing one: named by _convert
             return
         gate, up = (float(_to_tensor(w[name]).float().reshape(-1)[0]) for w in (w1, w3))
         if gate != up:
@@ -174,8 +255,12 @@ class ExpertWeights:
     def load(self, experts: Iterable[tuple[int, Mapping, Mapping, Mapping | None]]) -> None:
         """`load_expert` for each (expert, w1, w2, w3) of `experts` (any iterable, e.g. a
         generator reading a checkpoint expert by expert)."""
-        for expert, w1, w2, w3 in experts:
-            self.load_expert(expert, w1, w2, w3)
+        for item in experts:
+            if not isinstance(item, (tuple, list)) or len(item) != 4:
+                got = f"of {len(item)}" if isinstance(item, (tuple, list)) else repr(item)
+                raise TypeError("experts must yield (expert, w1, w2, w3) tuples (w3 None for a non-gated "
+                                f"activation), got {type(item).__name__} {got}")
+            self.load_expert(*item)
 
     def load_stacked(self, w1: Mapping, w2: Mapping, w3: Mapping | None = None) -> None:
         """`load` from stacked checkpoint tensors (leading expert axis; act-order's g_idx and
@@ -184,6 +269,17 @@ class ExpertWeights:
         self._check_mappings(w1, w2, w3)
         spec = self.checkpoint_spec
         orders = {spec.g_idx_name, spec.sort_indices_name} - {None}
+
+        experts, h, i = self.config.num_local_experts, self.config.hidden_size, self.config.intermediate_size
+        for role, physical, logical in (("w1", w1, (i, h)), ("w2", w2, (h, i)), ("w3", w3, (i, h))):
+            for name, value in (physical or {}).items():
+                shape = tuple(np.shape(value))
+                if name == spec.shape_name:
+                    _check_stored_shape(f"{role}[{name!r}]", _to_tensor(value), logical, experts)
+                elif not (name in orders and len(shape) == 1) and shape[:1] != (experts,):
+                    where = " (this rank's, in local order: see expert_map)" if self.config.expert_map else ""
+                    raise ValueError(f"{role}[{name!r}] must hold the {experts} local experts{where} along its "
+                                     f"first axis, got shape {shape}")
 
         def expert_slice(physical: Mapping | None, expert: int):
             if physical is None:

@@ -95,14 +95,23 @@ def arrivals_elements(config: MoEConfig, backend: Backend, blocks: int, tokens: 
     return max(needed)
 
 
+def check_layer_types(config: MoEConfig, spec: QuantSpec) -> None:
+    """A workspace is built from a config and a weights' spec (arguments swapped or left
+    out would fail far from here)."""
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+    if not isinstance(spec, QuantSpec):
+        raise TypeError(f"spec must be a QuantSpec (the weights' spec: weights.spec), got {type(spec).__name__}")
+
+
 class Workspace:
     """Scratch buffers for up to `max_tokens` tokens of layers shaped like `config` whose
     weights are stored as `spec` (`weights.spec` or `weights.stored_spec`): the oracle
     picks tiles for what the GEMMs read (`weights.gemm_spec`), and the buffers fit them."""
 
     def __init__(self, config: MoEConfig, max_tokens: int, spec: QuantSpec):
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+        check_layer_types(config, spec)
+        interop.check_count("max_tokens", max_tokens, 1)
         self.config, self.spec = config, gemm_spec(spec)
         self.expert_map = None if config.expert_map is None else torch.tensor(
             config.expert_map, dtype=torch.int32, device=interop.kernel_device())
@@ -134,8 +143,7 @@ class Workspace:
 
     def grow(self, max_tokens: int) -> None:
         """Reallocate for a larger maximum (explicit: calls never grow the workspace)."""
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+        interop.check_count("max_tokens", max_tokens, 1)
         if max_tokens > self.max_tokens:
             self._allocate(max_tokens)
 

@@ -74,19 +74,12 @@ MAP_MODES = ("none", "drop", "map")
 """No expert map; drop non-local experts before counting; map expert ids after aligning."""
 
 
-def _check_count(name: str, value, low: int, high: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low or (
-            high is not None and value > high):
-        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
-
-
 def align_sizes(num_slots: int, num_experts: int, block_size: int) -> tuple[int, int]:
     """(max_num_tokens_padded, max_num_blocks) as vLLM sizes them: num_slots + E * (bs - 1),
     or num_slots * bs when num_slots < E; blocks = ceil(that / bs)."""
-    _check_count("num_slots", num_slots, 0)
-    _check_count("num_experts", num_experts, 1)
-    _check_count("block_size", block_size, 1)
+    interop.check_count("num_slots", num_slots, 0)
+    interop.check_count("num_experts", num_experts, 1)
+    interop.check_count("block_size", block_size, 1)
     padded = num_slots + num_experts * (block_size - 1)
     if num_slots < num_experts:
         padded = num_slots * block_size
@@ -406,8 +399,8 @@ class AlignCall:
 def check_alignment(topk_ids, block_size: int, num_experts: int, *, expert_map=None,
                     ignore_invalid_experts: bool = False, out=None, check_ids: bool = True) -> AlignCall:
     """Validate `moe_align_block_size`'s arguments (allocating outputs unless `out` is given)."""
-    _check_count("block_size", block_size, 1)
-    _check_count("num_experts", num_experts, 1, MAX_EXPERTS)
+    interop.check_count("block_size", block_size, 1)
+    interop.check_count("num_experts", num_experts, 1, MAX_EXPERTS)
     if not isinstance(ignore_invalid_experts, bool):
         raise TypeError(f"ignore_invalid_experts must be a bool, got {ignore_invalid_experts!r}")
     ids = interop.check_tensor("topk_ids", topk_ids, dtype=torch.int32, ndim=2)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 from numba import cuda
 
@@ -91,19 +92,33 @@ def _external_stream(handle: int):
     return cuda.external_stream(handle)
 
 
+def check_count(name: str, value, low: int, high: int | None = None) -> None:
+    """Raise unless `value` is an integer (not a bool or a float) in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low or (
+            high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
+
+
 def _describe_dtypes(dtypes) -> str:
     names = [str(d) for d in dtypes]
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]
 
 
-def check_tensor(name: str, value, *, dtype=None, shape=None, ndim=None, contiguous: bool = True) -> torch.Tensor:
+def check_tensor(name: str, value, *, dtype=None, shape=None, ndim=None, contiguous: bool = True,
+                 alignment: int = 1) -> torch.Tensor:
     """Return `value` as a torch tensor after checking it, or raise a clear error.
 
-    dtype: one torch dtype or a tuple of allowed ones.
-    shape: the exact shape, with None for any size along an axis.
-    ndim:  the number of axes (when the sizes are free).
+    dtype:     one torch dtype or a tuple of allowed ones.
+    shape:     the exact shape, with None for any size along an axis.
+    ndim:      the number of axes (when the sizes are free).
+    alignment: the bytes its first element's address must be a multiple of (a view
+               starting mid-allocation may not be; the kernels' vector loads need it).
     """
     tensor = as_tensor(value, name)
+    if tensor.requires_grad:  # a kernel argument cannot carry a graph, and the output would silently have none
+        raise ValueError(f"{name} requires grad, and the kernels are inference only (no autograd): pass "
+                         f"{name}.detach() or call under torch.no_grad()")
     if dtype is not None:
         allowed = dtype if isinstance(dtype, tuple) else (dtype,)
         if tensor.dtype not in allowed:
@@ -119,6 +134,9 @@ def check_tensor(name: str, value, *, dtype=None, shape=None, ndim=None, contigu
             raise ValueError(f"{name} must have shape {wanted}, got {tuple(tensor.shape)}")
     if contiguous and not tensor.is_contiguous():
         raise ValueError(f"{name} must be contiguous (call .contiguous() first), got strides {tensor.stride()}")
+    if tensor.data_ptr() % alignment:
+        raise ValueError(f"{name} must start at a {alignment}-byte aligned address, got one "
+                         f"{tensor.data_ptr() % alignment} bytes past it (a view into another tensor?): pass a copy")
     return tensor
 
 

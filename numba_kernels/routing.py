@@ -125,6 +125,8 @@ class RoutingConfig:
     def check_experts(self, num_experts: int) -> None:
         """Raise ValueError unless this config can route over `num_experts` experts."""
         _positive_int("the number of experts", num_experts)
+        if num_experts > MAX_EXPERTS:
+            raise ValueError(f"the number of experts must be <= {MAX_EXPERTS}, got {num_experts}")
         if self.top_k > num_experts:
             raise ValueError(f"top_k ({self.top_k}) must be <= the number of experts ({num_experts})")
         if self.num_expert_group is None:
@@ -281,8 +283,6 @@ def make_token_router(config: RoutingConfig, num_experts: int, logits_dtype: str
     below M) into the flat (M * k,) outputs, one token per lane of threads, side by side;
     every thread must call it."""
     config.check_experts(num_experts)
-    if num_experts > MAX_EXPERTS:
-        raise ValueError(f"the number of experts must be <= {MAX_EXPERTS}, got {num_experts}")
     shape = RouterShape(config, num_experts)
     experts, top_k, threads = num_experts, config.top_k, shape.threads
     grouped, has_bias = config.grouped, bias_dtype is not None

@@ -102,3 +102,58 @@ def test_explain_draws_where_elements_land():
     # AWQ word (k=0, word 0) holds columns 0, 2, 4, 6, 1, 3, 5, 7 of input feature 0.
     assert "[  0] 0,0 2,0 4,0 6,0 1,0 3,0 5,0 7,0" in text
     assert where(formats.gptq(4), (16, 64), n=3, k=9) == ("qweight", 1, 3, 4)
+
+
+def test_float_zero_points_and_groups_are_rejected():
+    """They would be truncated (3.7 -> 3, 0.9 -> 0) into silently wrong weights."""
+    with pytest.raises(TypeError, match="zeros must be integers"):
+        _weight(zeros=np.full((64, 2), 3.7))
+    with pytest.raises(TypeError, match="g_idx must be integers"):
+        _weight(g_idx=np.full(256, 0.9))
+
+
+def test_per_expert_tensors_must_match_the_experts():
+    codes, scales = np.zeros((2, 64, 32), int), np.ones((2, 64, 2), np.float32)
+    with pytest.raises(ValueError, match=r"g_idx must be shaped \(32,\) or \(1, 32\) or \(2, 32\), got \(3, 32\)"):
+        Quantized(codes, scales, g_idx=np.zeros((3, 32), int))
+    with pytest.raises(ValueError, match=r"global_scale must be shaped \(\) or \(1,\) or \(2,\), got \(3,\)"):
+        Quantized(codes, scales, global_scale=np.ones(3))
+    spec = formats.nvfp4(checkpoint="modelopt")
+    physical = spec.pack(Quantized(codes, scales, global_scale=np.ones(2)))
+    with pytest.raises(ValueError, match=r"nvfp4_modelopt: weight_scale_2 must be shaped \(\) or \(1,\) or \(2,\), "
+                                         r"got \(3,\)"):
+        spec.dequantize({**physical, "weight_scale_2": np.ones(3, np.float32)})
+
+
+def test_unpack_names_the_tensor_of_a_bad_shape():
+    spec = formats.gptq(4, 128)
+    physical = spec.pack(_weight())
+    with pytest.raises(ValueError, match=r"gptq_int4: qweight must be \(rows, cols\) or \(E, rows, cols\), "
+                                         r"got shape \(2048,\)"):
+        spec.unpack({**physical, "qweight": physical["qweight"].ravel()})
+    with pytest.raises(ValueError, match=r"gptq_int4: scales has shape \(1, 64\), expected \(\.\.\., 2, 64\)"):
+        spec.unpack({**physical, "scales": physical["scales"][:1]})
+    with pytest.raises(TypeError, match="gptq_int4: physical must be a mapping of tensor names to arrays, "
+                                        "got NoneType"):
+        spec.unpack(None)
+
+
+def test_bfloat16_torch_scales_are_read_as_values():
+    torch = pytest.importorskip("torch")
+    spec, q = formats.gptq(4, 128), _weight()
+    physical = {**spec.pack(q), "scales": torch.full((2, 64), 0.5, dtype=torch.bfloat16)}
+    assert (spec.unpack(physical).scales == 0.5).all()
+
+
+@pytest.mark.parametrize("shape", [(8,), (-8, 16), (8, 16.0)])
+def test_explain_needs_a_positive_n_k(shape):
+    with pytest.raises(ValueError, match=r"shape must be \(N, K\) of positive ints"):
+        explain(formats.awq(), shape)
+
+
+def test_sort_indices_must_permute_k():
+    spec = formats.marlin(4, 128, act_order=True)
+    physical = spec.pack(_weight(g_idx=np.arange(256) // 128))
+    with pytest.raises(ValueError, match=r"marlin_int4: g_idx_sort_indices must be shaped like g_idx \(256,\), "
+                                         r"each row a permutation of 0..255"):
+        spec.unpack({**physical, "g_idx_sort_indices": np.zeros(256, np.int32)})

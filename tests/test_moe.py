@@ -246,7 +246,7 @@ def test_workspace_grows_only_when_asked():
     before = workspace.nbytes
     workspace.grow(64)
     assert workspace.max_tokens == 64 and workspace.nbytes > before
-    with pytest.raises(ValueError, match="max_tokens must be positive, got -3"):
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1, got -3"):
         workspace.grow(-3)
 
 
