@@ -155,6 +155,12 @@ class FloatFormat:
                          "float8_e4m3": np.uint8, "float8_ue5m3": np.uint8}[self.name])
 
     @property
+    def torch_bytes(self) -> str | None:
+        """The torch dtype (by name) of a checkpoint tensor holding this format's values in
+        its own bytes, which numpy lacks: read as those bytes (float8_e4m3 -> float8_e4m3fn)."""
+        return {"float8_e4m3": "float8_e4m3fn"}.get(self.name)
+
+    @property
     def byte_values(self) -> np.ndarray | None:
         """float32 value of each stored byte (256 entries) for the float8 formats, else None."""
         return {"float8_e4m3": E4M3_VALUES, "float8_ue5m3": UE5M3_VALUES}.get(self.name)

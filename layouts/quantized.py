@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import sys
+
 import attrs
 import numpy as np
 
 from .checks import check_per_expert, integers
 
 
-def as_array(value) -> np.ndarray:
+def as_array(value, torch_bytes: str | None = None) -> np.ndarray:
     """np.asarray, also of torch bfloat16 tensors (checkpoints store scales so; numpy has no
-    bfloat16): their values, exact in float32."""
-    if str(getattr(value, "dtype", "")) == "torch.bfloat16":
+    bfloat16): their values, exact in float32; and of a torch tensor of dtype `torch_bytes`
+    (`FloatFormat.torch_bytes`, a float8 numpy lacks): its bytes, as uint8."""
+    dtype = str(getattr(value, "dtype", ""))
+    if torch_bytes is not None and dtype == f"torch.{torch_bytes}":
+        return np.asarray(value.view(sys.modules["torch"].uint8).cpu())  # a torch tensor: torch is imported
+    if dtype == "torch.bfloat16":
         value = value.float()
     return np.asarray(value)
 

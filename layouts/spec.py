@@ -239,7 +239,7 @@ class QuantSpec:
         or bits, "f": float values): a float array of words would unpack silently wrong.
         Given `experts`, it must be shaped as `check_per_expert` allows."""
         given = self._get(physical, name)
-        value = as_array(given)
+        value = as_array(given, self.scale_format.torch_bytes if name == self.scales.name else None)
         if value.dtype.kind not in kinds:
             expected = "integer words or bits" if kinds == "iu" else "float values"
             raise TypeError(f"{self.name}: {name} must hold {expected}, got {getattr(given, 'dtype', value.dtype)}")

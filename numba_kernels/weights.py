@@ -29,9 +29,10 @@ _STORAGE_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.uint8): torch.ui
                    np.dtype(np.float32): torch.float32}
 
 
-def _as_device_tensor(name: str, value, dtype: torch.dtype) -> torch.Tensor:
+def _as_device_tensor(name: str, value, dtype: torch.dtype, torch_bytes: str | None = None) -> torch.Tensor:
     """A tensor of `dtype` on the kernels' device; numpy input is copied there (uint16
-    bfloat16 bits and unsigned words reinterpreted, never converted)."""
+    bfloat16 bits and unsigned words reinterpreted, never converted), as is a torch tensor
+    of dtype `torch_bytes` (`FloatFormat.torch_bytes`: fp8 scales) for uint8 bytes."""
     if isinstance(value, np.ndarray):
         array = np.ascontiguousarray(value)
         if array.dtype == np.uint16:
@@ -43,6 +44,8 @@ def _as_device_tensor(name: str, value, dtype: torch.dtype) -> torch.Tensor:
             tensor = tensor.view(torch.bfloat16)
         value = tensor.to(interop.kernel_device())
     tensor = interop.as_tensor(value, name)
+    if torch_bytes is not None and tensor.dtype == getattr(torch, torch_bytes) and dtype == torch.uint8:
+        tensor = tensor.view(torch.uint8)
     if tensor.dtype != dtype:
         raise TypeError(f"{name} must be stored as {dtype}, got {tensor.dtype}")
     if tensor.device != interop.kernel_device():
@@ -91,9 +94,9 @@ class KernelWeights:
         groups = spec.groups(k)
         device = interop.kernel_device()
 
-        def tensor(name, layout, logical, storage):
+        def tensor(name, layout, logical, storage, torch_bytes=None):
             expected = layout.physical_shape(logical)
-            value = _as_3d(_as_device_tensor(name, spec._get(physical, name), storage), experts, name)
+            value = _as_3d(_as_device_tensor(name, spec._get(physical, name), storage, torch_bytes), experts, name)
             if tuple(value.shape[-2:]) != expected:
                 raise ValueError(f"{spec.name}: {name} must have trailing shape {expected} for a weight of "
                                  f"shape {shape}, got {tuple(value.shape)}")
@@ -103,7 +106,7 @@ class KernelWeights:
         weight = tensor(spec.weight.name, spec.weight.layout, (n, k),
                         torch.int32 if word is None or word.word_bits == 32 else torch.uint8)
         scales = tensor(spec.scales.name, spec.scales.layout, (n, groups),
-                        _STORAGE_DTYPES[spec.scale_format.storage_dtype])
+                        _STORAGE_DTYPES[spec.scale_format.storage_dtype], spec.scale_format.torch_bytes)
         if spec.zeros is not None:
             zero_word = spec.zeros.layout.bitpack
             zero_storage = (torch.int32 if zero_word.word_bits == 32 else torch.uint8) if zero_word else \

@@ -145,6 +145,14 @@ def test_bfloat16_torch_scales_are_read_as_values():
     assert (spec.unpack(physical).scales == 0.5).all()
 
 
+def test_float8_torch_scales_are_read_as_their_bytes():
+    torch = pytest.importorskip("torch")
+    spec = formats.nvfp4()
+    physical = spec.pack(Quantized(np.zeros((64, 32), int), np.full((64, 2), 0.5, np.float32), global_scale=1.0))
+    in_float8 = {**physical, "weight_scale": torch.from_numpy(physical["weight_scale"]).view(torch.float8_e4m3fn)}
+    assert (spec.unpack(in_float8).scales == 0.5).all()
+
+
 @pytest.mark.parametrize("shape", [(8,), (-8, 16), (8, 16.0)])
 def test_explain_needs_a_positive_n_k(shape):
     with pytest.raises(ValueError, match=r"shape must be \(N, K\) of positive ints"):

@@ -266,3 +266,20 @@ def test_the_main_job_needs_no_test_extra():
     imports = "import sys; sys.modules['hypothesis'] = None; import layouts, numba_kernels, moe, moe.__main__"
     result = subprocess.run([sys.executable, "-c", imports], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_nvfp4_scales_load_from_torch_float8_tensors():
+    """Checkpoints hold NVFP4 block scales as torch.float8_e4m3fn tensors (numpy has no
+    float8): they are read as their bytes, into the same kernel buffers as uint8 ones."""
+    config = MoEConfig(**TINY, quant=QuantScheme("nvfp4"))
+    checkpoint = random_checkpoint(config, np.random.default_rng(0))
+
+    def in_torch(projection):
+        return {name: torch.as_tensor(value).view(torch.float8_e4m3fn) if name == "weight_scale" else
+                torch.as_tensor(value) for name, value in projection.items()}
+
+    as_bytes = process_weights_after_loading(config, checkpoint.w1, checkpoint.w2, checkpoint.w3)
+    as_float8 = process_weights_after_loading(config, *(in_torch(p) for p in (checkpoint.w1, checkpoint.w2,
+                                                                                checkpoint.w3)))
+    for ours, theirs in ((as_float8.w13, as_bytes.w13), (as_float8.w2, as_bytes.w2)):
+        assert all(torch.equal(a, b) for a, b in zip(ours.tensors, theirs.tensors))
