@@ -46,11 +46,24 @@ def _as_device_tensor(name: str, value, dtype: torch.dtype, torch_bytes: str | N
     tensor = interop.as_tensor(value, name)
     if torch_bytes is not None and tensor.dtype == getattr(torch, torch_bytes) and dtype == torch.uint8:
         tensor = tensor.view(torch.uint8)
+    if tensor.dtype != dtype and tensor.dtype.is_floating_point and dtype.is_floating_point:
+        tensor = _exactly_as(name, tensor, dtype)
     if tensor.dtype != dtype:
         raise TypeError(f"{name} must be stored as {dtype}, got {tensor.dtype}")
     if tensor.device != interop.kernel_device():
         raise ValueError(f"{name} must be on {interop.kernel_device()}, got {tensor.device}")
     return tensor.contiguous()
+
+
+def _exactly_as(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor`'s values in another float dtype, if every one survives the conversion: an
+    engine keeps a checkpoint's float16 scales in the model's dtype (bfloat16), or a
+    quantiser writes them in float32."""
+    converted = tensor.to(device=interop.kernel_device(), dtype=dtype)
+    if not torch.allclose(converted.to(tensor.dtype), tensor.to(converted.device), rtol=0, atol=0, equal_nan=True):
+        raise ValueError(f"{name} must be stored as {dtype}, and its {tensor.dtype} values are not all exactly "
+                         f"{dtype} values (out of its range, or finer)")
+    return converted
 
 
 def _as_3d(tensor: torch.Tensor, experts: int, name: str) -> torch.Tensor:

@@ -283,3 +283,19 @@ def test_nvfp4_scales_load_from_torch_float8_tensors():
                                                                                 checkpoint.w3)))
     for ours, theirs in ((as_float8.w13, as_bytes.w13), (as_float8.w2, as_bytes.w2)):
         assert all(torch.equal(a, b) for a, b in zip(ours.tensors, theirs.tensors))
+
+
+def test_scales_in_the_models_dtype_load_when_every_value_survives():
+    """An engine keeps a checkpoint's float16 scales in the model's dtype (bfloat16): they
+    are converted back where every value is exact (the error case: test_moe_errors)."""
+    config = MoEConfig(**TINY, quant=QuantScheme("compressed_tensors", group_size=32))
+    checkpoint = random_checkpoint(config, np.random.default_rng(0))
+
+    def in_bfloat16(projection):
+        return {name: torch.as_tensor(value).to(torch.bfloat16) if name == "weight_scale" else value
+                for name, value in projection.items()}
+
+    stored = process_weights_after_loading(config, checkpoint.w1, checkpoint.w2, checkpoint.w3)
+    converted = process_weights_after_loading(config, *(in_bfloat16(p) for p in (checkpoint.w1, checkpoint.w2,
+                                                                                  checkpoint.w3)))
+    assert all(torch.equal(a, b) for a, b in zip(converted.w13.tensors, stored.w13.tensors))

@@ -94,6 +94,15 @@ def test_tensors_the_format_does_not_read_must_say_nothing():
         process_weights_after_loading(ct, stored.w1, dict(stored.w2, weight_shape=np.int64([4, 64, 32])), stored.w3)
 
 
+def test_scales_that_their_format_cannot_hold_exactly_are_refused():
+    config = MoEConfig(**TINY, quant=GPTQ)
+    checkpoint = _checkpoint(config)
+    w1 = dict(_expert(checkpoint.w1), scales=torch.full((2, 64), 0.1, dtype=torch.float32))
+    with pytest.raises(ValueError, match="expert 0, w1: scales must be stored as torch.float16, and its torch.float32 "
+                                         "values are not all exactly torch.float16 values"):
+        MoELayer(config, max_tokens=1).weights.load_expert(0, w1, _expert(checkpoint.w2), _expert(checkpoint.w3))
+
+
 def test_a_missing_nvfp4_global_scale_is_named():
     config = MoEConfig(**TINY, quant=QuantScheme("nvfp4"))
     checkpoint = _checkpoint(config)
