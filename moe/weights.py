@@ -99,16 +99,21 @@ def check_g_idx(name: str, g_idx: torch.Tensor, k: int, groups: int) -> None:
         raise ValueError(f"{name} must lie in [0, {groups}) (the groups of K = {k}), got values from {low} to {high}")
 
 
+_K_ORDERS = ("g_idx", "g_idx_sort_indices")
+"""Act-order's per-feature tensors (GPTQ's groups, Marlin's sort): one (K,) may serve every
+expert, and checkpoints without act-order may carry them in K order, or empty."""
+
+
 def _check_unread(name: str, tensor: torch.Tensor, k: int, spec: QuantSpec) -> None:
     """A tensor the format carries but does not read must say nothing: a g_idx in K order
     (`k // group_size`), or one value throughout (symmetric GPTQ's qzeros). Otherwise the
     checkpoint is act-order or has zero points, and the QuantScheme says it has not."""
-    if name == "g_idx" and tensor.numel():
-        trivial = torch.arange(k, device=tensor.device) // (spec.group_size or k)
+    if name in _K_ORDERS and tensor.numel():
+        trivial = torch.arange(k, device=tensor.device) // ((spec.group_size or k) if name == "g_idx" else 1)
         if tensor.shape != trivial.shape or not torch.equal(tensor.long(), trivial):
             raise ValueError(f"{name} is not in K order: the checkpoint is act-order, and {spec.name} reads no "
                              "g_idx (QuantScheme(act_order=True))")
-    elif name != "g_idx" and tensor.numel() and not bool((tensor == tensor.reshape(-1)[0]).all()):
+    elif tensor.numel() and not bool((tensor == tensor.reshape(-1)[0]).all()):
         raise ValueError(f"{name} varies, and {spec.name} does not read it: zero points need "
                          "QuantScheme(symmetric=False)")
 
@@ -268,7 +273,7 @@ class ExpertWeights:
         drop the scratch."""
         self._check_mappings(w1, w2, w3)
         spec = self.checkpoint_spec
-        orders = {spec.g_idx_name, spec.sort_indices_name} - {None}
+        orders = set(_K_ORDERS) | {spec.g_idx_name, spec.sort_indices_name} - {None}
 
         experts, h, i = self.config.num_local_experts, self.config.hidden_size, self.config.intermediate_size
         for role, physical, logical in (("w1", w1, (i, h)), ("w2", w2, (h, i)), ("w3", w3, (i, h))):

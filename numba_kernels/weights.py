@@ -59,8 +59,8 @@ def _exactly_as(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Te
     """`tensor`'s values in another float dtype, if every one survives the conversion: an
     engine keeps a checkpoint's float16 scales in the model's dtype (bfloat16), or a
     quantiser writes them in float32."""
-    converted = tensor.to(device=interop.kernel_device(), dtype=dtype)
-    if not torch.allclose(converted.to(tensor.dtype), tensor.to(converted.device), rtol=0, atol=0, equal_nan=True):
+    converted = tensor.to(dtype)
+    if not torch.allclose(converted.double(), tensor.double(), rtol=0, atol=0, equal_nan=True):  # exact
         raise ValueError(f"{name} must be stored as {dtype}, and its {tensor.dtype} values are not all exactly "
                          f"{dtype} values (out of its range, or finer)")
     return converted

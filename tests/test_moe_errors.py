@@ -88,6 +88,9 @@ def test_tensors_the_format_does_not_read_must_say_nothing():
                            (dict(bias=np.zeros(64, np.float16)), r"unexpected tensors \['bias'\]")):
         with pytest.raises(ValueError, match="expert 1, w2: " + message):
             weights.load_expert(1, w1, dict(w2, **extra), w3)
+    in_k_order = dict(g_idx=np.arange(64, dtype=np.int32) // 32, g_idx_sort_indices=np.arange(64, dtype=np.int32))
+    process_weights_after_loading(config, *(dict(p, **in_k_order) for p in (checkpoint.w1, checkpoint.w2,
+                                                                             checkpoint.w3)))  # one (K,) for all
     ct = MoEConfig(**TINY, quant=QuantScheme("compressed_tensors", group_size=32))
     stored = _checkpoint(ct)
     with pytest.raises(ValueError, match=r"w2\['weight_shape'\] is \[4, 64, 32\], the layer expects \[4, 64, 64\]"):
