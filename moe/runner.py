@@ -149,7 +149,7 @@ def prepare(config: MoEConfig, weights: ExpertWeights, workspace: Workspace, inp
     alignment = (buffers.sorted_token_ids, buffers.expert_ids, buffers.num_tokens_post_padded)
     if inputs.router_logits is not None and fused_routing(config, tokens):
         route_and_align(inputs.router_logits, config.routing, backend.block_m, correction_bias=inputs.correction_bias,
-                        expert_map=workspace.expert_map, out_topk=topk, out_alignment=alignment)
+                        expert_map=workspace.expert_map, out_topk=topk, out_alignment=alignment, check_map=False)
     else:
         if inputs.router_logits is None:
             topk = (inputs.topk_weights, inputs.topk_ids)

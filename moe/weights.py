@@ -88,17 +88,6 @@ def _check_stored_shape(label: str, tensor: torch.Tensor, logical: tuple[int, in
                          "per expert")
 
 
-def check_g_idx(name: str, g_idx: torch.Tensor, k: int, groups: int) -> None:
-    """Act-order's group of each input feature: (K,) integers in [0, groups)."""
-    if g_idx.dtype.is_floating_point or g_idx.dtype == torch.bool:
-        raise TypeError(f"{name} must hold integer group indices, got {g_idx.dtype}")
-    if tuple(g_idx.shape) != (k,):
-        raise ValueError(f"{name} must have shape ({k},) (a group index per input feature), got {tuple(g_idx.shape)}")
-    low, high = int(g_idx.min()), int(g_idx.max())
-    if low < 0 or high >= groups:
-        raise ValueError(f"{name} must lie in [0, {groups}) (the groups of K = {k}), got values from {low} to {high}")
-
-
 _K_ORDERS = ("g_idx", "g_idx_sort_indices")
 """Act-order's per-feature tensors (GPTQ's groups, Marlin's sort): one (K,) may serve every
 expert, and checkpoints without act-order may carry them in K order, or empty."""
@@ -144,7 +133,8 @@ class ExpertWeights:
         self._w2 = {name: interop.empty(shape, dtype)
                     for name, (shape, dtype) in destination_tensors(self.stored_spec, self.w2_shape).items()}
         self.w13, self.w2 = (
-            KernelWeights(self.spec, shape, KernelWeights.from_physical(self.stored_spec, tensors, shape).tensors)
+            KernelWeights(self.spec, shape, KernelWeights.from_physical(self.stored_spec, tensors, shape,
+                                                                        check_indices=False).tensors)
             for tensors, shape in ((self._w13, self.w13_shape), (self._w2, self.w2_shape)))
         self._scratch: dict[tuple[str, str], torch.Tensor] = {}
         self.loaded = np.zeros(experts, dtype=bool)
@@ -180,7 +170,8 @@ class ExpertWeights:
     def _read_names(self, physical: Mapping, logical: tuple[int, int]) -> dict:
         """The tensors of `physical` that the checkpoint spec reads, after checking the rest
         are names checkpoints carry unread (`UNREAD_NAMES`) and a stored logical shape
-        (compressed-tensors' weight_shape) or act-order g_idx agree with the layer."""
+        (compressed-tensors' weight_shape) agrees with the layer (`KernelWeights.from_physical`
+        checks what the spec reads, act-order's indices among them)."""
         spec = self.checkpoint_spec
         read = tensor_names(spec)
         unknown = sorted(set(physical) - read - UNREAD_NAMES)
@@ -192,8 +183,6 @@ class ExpertWeights:
             tensor = _to_tensor(value)
             if name == spec.shape_name:
                 _check_stored_shape(name, tensor, logical, experts=1)
-            if name == spec.g_idx_name:
-                check_g_idx(name, tensor, k, spec.groups(k))
             if name not in read:
                 _check_unread(name, tensor, k, spec)
         return {name: value for name, value in physical.items() if name in read and name != spec.shape_name}

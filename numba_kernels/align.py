@@ -351,7 +351,9 @@ def make_routed_aligner(num_experts: int, block_size: int, top_k: int, threads: 
     return align_routed
 
 
-def _check_out(out, lengths):
+def check_out_triple(out, lengths) -> list[torch.Tensor]:
+    """The prefixes of a preallocated (sorted_token_ids, expert_ids, num_tokens_post_padded)
+    of `lengths`, after checking each and that they do not share memory."""
     if not (isinstance(out, (tuple, list)) and len(out) == 3):
         raise TypeError(f"out must be a (sorted_token_ids, expert_ids, num_tokens_post_padded) triple, "
                         f"got {type(out).__name__}")
@@ -362,6 +364,7 @@ def _check_out(out, lengths):
         if tensor.shape[0] < length:
             raise ValueError(f"{name} must hold at least {length} elements, got {tensor.shape[0]}")
         views.append(tensor[:length])
+    interop.check_disjoint(dict(zip(names, views)))
     return views
 
 
@@ -370,7 +373,13 @@ def _check_id_values(ids: torch.Tensor, expert_map: torch.Tensor | None, num_exp
     if ids.numel() and not bool(((ids >= 0) & (ids < num_experts)).all()):
         raise ValueError(f"topk_ids must lie in [0, {num_experts}), got values from {int(ids.min())} "
                          f"to {int(ids.max())} (pass check_ids=False to drop invalid ids instead)")
-    if expert_map is not None and not bool(((expert_map >= -1) & (expert_map < num_experts)).all()):
+    if expert_map is not None:
+        check_expert_map(expert_map, num_experts)
+
+
+def check_expert_map(expert_map: torch.Tensor, num_experts: int) -> None:
+    """Raise unless every entry is a local id in [0, num_experts) or -1 (a host sync)."""
+    if not bool(((expert_map >= -1) & (expert_map < num_experts)).all()):
         raise ValueError(f"expert_map must hold local ids in [0, {num_experts}) or -1, got values from "
                          f"{int(expert_map.min())} to {int(expert_map.max())}")
 
@@ -412,7 +421,7 @@ def check_alignment(topk_ids, block_size: int, num_experts: int, *, expert_map=N
         sorted_ids, expert_ids, num_post = (interop.empty((length,), torch.int32)
                                             for length in (padded_len, block_count, 1))
     else:
-        sorted_ids, expert_ids, num_post = _check_out(out, (padded_len, block_count, 1))
+        sorted_ids, expert_ids, num_post = check_out_triple(out, (padded_len, block_count, 1))
     if check_ids:
         _check_id_values(ids, emap, num_experts)
     map_mode = "none" if emap is None else ("drop" if ignore_invalid_experts else "map")

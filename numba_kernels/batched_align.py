@@ -24,6 +24,7 @@ import torch
 from numba import cuda, int32
 
 from . import interop, ptx
+from .align import check_out_triple
 from .launch import launch_kernel
 
 THREADS = 256
@@ -71,9 +72,8 @@ def batched_align(counts, tokens_per_expert: int, block_size: int, *, out=None, 
     validates them (a host sync: the hot path passes False; the kernel then clamps them).
     out: optional preallocated triple at least `batched_sizes(...)` long; filled prefixes
     are returned as views."""
-    for name, value in (("tokens_per_expert", tokens_per_expert), ("block_size", block_size)):
-        if not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    interop.check_count("tokens_per_expert", tokens_per_expert, 1)
+    interop.check_count("block_size", block_size, 1)
     counts = interop.check_tensor("counts", counts, dtype=torch.int32, ndim=1)
     num_experts = counts.shape[0]
     if num_experts == 0:
@@ -81,17 +81,9 @@ def batched_align(counts, tokens_per_expert: int, block_size: int, *, out=None, 
     if check_counts:
         check_count_values(counts, tokens_per_expert)
     length, blocks = batched_sizes(num_experts, tokens_per_expert, block_size)
-    names = ("out[0] (sorted_token_ids)", "out[1] (expert_ids)", "out[2] (num_tokens_post_padded)")
     if out is None:
         out = tuple(interop.empty((size,), torch.int32) for size in (length, blocks, 1))
-    elif not (isinstance(out, (tuple, list)) and len(out) == 3):
-        raise TypeError("out must be a (sorted_token_ids, expert_ids, num_tokens_post_padded) triple")
-    views = []
-    for name, tensor, size in zip(names, out, (length, blocks, 1)):
-        tensor = interop.check_tensor(name, tensor, dtype=torch.int32, ndim=1)
-        if tensor.shape[0] < size:
-            raise ValueError(f"{name} must hold at least {size} elements, got {tensor.shape[0]}")
-        views.append(tensor[:size])
+    views = check_out_triple(out, (length, blocks, 1))
     kernel = make_batched_align_kernel(int(tokens_per_expert), int(block_size))
     launch_kernel(
         kernel, -(-length // THREADS), THREADS,

@@ -71,8 +71,18 @@ from .weights import KernelWeights
 
 
 def _positive_power_of_two(instance, attribute, value):
-    if not isinstance(value, int) or value < 1 or value & (value - 1):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
         raise ValueError(f"{attribute.name} must be a positive power of two, got {value!r}")
+
+
+def _stage_count(instance, attribute, value):
+    if isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= 8:
+        raise ValueError(f"{attribute.name} must be an int in [2, 8], got {value!r}")
+
+
+def _flag(instance, attribute, value):  # a truthy string would silently pick the other kernel
+    if not isinstance(value, bool):
+        raise TypeError(f"{attribute.name} must be a bool, got {value!r}")
 
 
 @attrs.frozen
@@ -128,15 +138,14 @@ class GemmTile:
     warps_k: int = attrs.field(default=4, validator=_positive_power_of_two)
     slabs_per_warp: int = attrs.field(default=2, validator=_positive_power_of_two)
     split_k: int = attrs.field(default=1, validator=_positive_power_of_two)
-    a_in_shared: bool = False
-    stages: int = attrs.field(default=3, validator=attrs.validators.and_(attrs.validators.ge(2),
-                                                                          attrs.validators.le(8)))
-    swap_ab: bool = False
-    fused_reduction: bool = False
-    steady_loop: bool = False
-    chunks_first: bool = False
-    trim_padding: bool = False
-    release_early: bool = False
+    a_in_shared: bool = attrs.field(default=False, validator=_flag)
+    stages: int = attrs.field(default=3, validator=_stage_count)
+    swap_ab: bool = attrs.field(default=False, validator=_flag)
+    fused_reduction: bool = attrs.field(default=False, validator=_flag)
+    steady_loop: bool = attrs.field(default=False, validator=_flag)
+    chunks_first: bool = attrs.field(default=False, validator=_flag)
+    trim_padding: bool = attrs.field(default=False, validator=_flag)
+    release_early: bool = attrs.field(default=False, validator=_flag)
 
     def __attrs_post_init__(self):
         if self.steady_loop and self.a_in_shared:
@@ -626,7 +635,10 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
                              bfloat16 or float16.
     weights:                 the experts' weights (E, N, K) in any spec.
     sorted_token_ids, expert_ids, num_tokens_post_padded: `moe_align_block_size` output for
-                             block size tile.block_m (int32).
+                             block size tile.block_m and these num_slots (int32). The kernel
+                             trusts their values (the aligning kernels check theirs): a
+                             slot id below num_slots is a real slot, an expert id must lie
+                             in [0, E) or be -1.
     num_slots:               M * top_k; slot ids at or above it are padding.
     topk_weights:            (M, top_k) float32 to multiply each slot's output by, or None.
     out / partial_output:    the output, (num_slots, N) in act's dtype, or with
@@ -646,12 +658,21 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
 
     Returns `out`, or then.out where `out` was not written.
     """
-    act = interop.check_tensor("act", act, dtype=(torch.bfloat16, torch.float16), ndim=2)
-    half = interop.HALF_NAMES[act.dtype]
+    if not isinstance(weights, KernelWeights):
+        raise TypeError(f"weights must be KernelWeights (KernelWeights.from_physical), got {type(weights).__name__}")
+    if not isinstance(tile, GemmTile):
+        raise TypeError(f"tile must be a GemmTile, got {type(tile).__name__}")
     experts, n, k = weights.shape
+    pairs = pair_loads(k, weights.spec)
+    alignment = 16 if tile.a_in_shared else 4 if pairs else 2  # staged in 16-byte copies; read in pairs or halves
+    act = interop.check_tensor("act", act, dtype=(torch.bfloat16, torch.float16), ndim=2, alignment=alignment)
+    half = interop.HALF_NAMES[act.dtype]
     if act.shape[1] != k:
         raise ValueError(f"act must have K = {k} columns (the weights' input features), got {tuple(act.shape)}")
-    if num_slots < 1 or num_slots % act.shape[0]:
+    if act.shape[0] == 0:
+        raise ValueError("act holds no rows")
+    interop.check_count("num_slots", num_slots, 1)
+    if num_slots % act.shape[0]:
         raise ValueError(f"num_slots ({num_slots}) must be a positive multiple of act's rows ({act.shape[0]})")
     sorted_token_ids = interop.check_tensor("sorted_token_ids", sorted_token_ids, dtype=torch.int32, ndim=1)
     expert_ids = interop.check_tensor("expert_ids", expert_ids, dtype=torch.int32, ndim=1)
@@ -683,14 +704,12 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
     if out is not None or not paired:
         if out is None:
             out = interop.empty(expected, torch.float32 if partial_output else act.dtype)
-        out = interop.check_tensor("out", out, dtype=torch.float32 if partial_output else act.dtype, shape=expected)
-    pairs = pair_loads(k, weights.spec)
+        out = interop.check_tensor("out", out, dtype=torch.float32 if partial_output else act.dtype, shape=expected,
+                                   alignment=4)
     if tile.a_in_shared:
         if not prefill_supported(weights.spec, n, k, half, tile):
             raise ValueError(f"tile.a_in_shared: {weights.spec.name} weights of shape {(n, k)} cannot be staged "
                              f"through shared memory (see fragments.staging_supported): use a decode tile")
-        if act.data_ptr() % 16:
-            raise ValueError("act must start 16-byte aligned for a prefill tile (a_in_shared)")
         if not copy_offsets_fit(act.view(torch.int32) if pairs else act, *weights.tensors):
             raise ValueError("act and the weights must each hold fewer than 2**32 elements for a prefill tile "
                              "(a_in_shared: its copies use 32-bit offsets): use a decode tile or split the batch")

@@ -100,6 +100,19 @@ def check_count(name: str, value, low: int, high: int | None = None) -> None:
         raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
 
 
+def check_disjoint(tensors: dict) -> None:
+    """Raise unless the named tensors occupy separate memory: a kernel that writes one while
+    it reads or writes another would give wrong results."""
+    spans = sorted(((t.data_ptr(), position), t.data_ptr() + t.numel() * t.element_size(), name)
+                   for position, (name, t) in enumerate(tensors.items()) if t.numel())
+    reach, owner = 0, None
+    for (start, _), end, name in spans:
+        if start < reach:
+            raise ValueError(f"{owner} and {name} share memory: pass separate tensors")
+        if end > reach:
+            reach, owner = end, name
+
+
 def _describe_dtypes(dtypes) -> str:
     names = [str(d) for d in dtypes]
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " or " + names[-1]

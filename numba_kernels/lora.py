@@ -85,6 +85,9 @@ def add_lora(x, topk_ids, lora_a, lora_b, scaling, token_adapter, out, *, expert
     token_adapter: (M,) int32 adapter of each token, -1 for none.
     out:           (M * top_k, N) in x's dtype, or float32 partials (splits, M * top_k, N).
     expert_map:    (num_experts,) int32 global -> local expert (-1: not on this rank), or None.
+    The kernel trusts the ids' values (checking them would sync the host every call):
+    topk_ids in [0, num_experts), mapped to [0, local experts) or -1, token_adapter in
+    [-1, adapters) (`LoRAHooks.set_token_adapters` checks those).
     """
     x = interop.check_tensor("x", x, dtype=(torch.bfloat16, torch.float16), ndim=2)
     topk_ids = interop.check_tensor("topk_ids", topk_ids, dtype=torch.int32, ndim=2)
@@ -99,9 +102,10 @@ def add_lora(x, topk_ids, lora_a, lora_b, scaling, token_adapter, out, *, expert
     tokens, top_k = topk_ids.shape
     token_adapter = interop.check_tensor("token_adapter", token_adapter, dtype=torch.int32, shape=(tokens,))
     slots, n = tokens * top_k, lora_b.shape[2]
-    partial = out.dtype == torch.float32
+    partial = interop.as_tensor(out, "out").dtype == torch.float32
     out = interop.check_tensor("out", out, dtype=torch.float32 if partial else x.dtype,
                                shape=(None, slots, n) if partial else (slots, n))
+    interop.check_count("rows_div", rows_div, 1)
     if x.shape[0] * rows_div != slots:
         raise ValueError(f"x must have {slots // rows_div} rows for rows_div = {rows_div}, got {x.shape[0]}")
     mapped = expert_map is not None

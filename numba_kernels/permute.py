@@ -122,14 +122,19 @@ def permute_slots(act, order, sorted_token_ids, expert_ids, num_tokens_post_padd
 
     act:    (M, K) per token (gemm1's input) or (num_slots, K) per slot, bfloat16 or float16.
     order:  (E, K) or (1, K) int32, the stored sort indices of act-order weights
-            (`KernelWeights.k_order`): logical input feature of each stored one.
+            (`KernelWeights.k_order`, which checks each row permutes 0..K-1; the kernel
+            trusts them): logical input feature of each stored one.
     sorted_token_ids, expert_ids, num_tokens_post_padded: the alignment for block_m, as
             the GEMM after it reads it.
     out:    (num_slots, K) in act's dtype; rows of slots the alignment skips are not written.
     """
     act = interop.check_tensor("act", act, dtype=(torch.bfloat16, torch.float16), ndim=2)
     rows, k = act.shape
-    if num_slots < 1 or num_slots % rows:
+    if rows == 0:
+        raise ValueError("act holds no rows")
+    interop.check_count("num_slots", num_slots, 1)
+    interop.check_count("block_m", block_m, 1)
+    if num_slots % rows:
         raise ValueError(f"num_slots ({num_slots}) must be a positive multiple of act's rows ({rows})")
     order = interop.check_tensor("order", order, dtype=torch.int32, ndim=2)
     if order.shape[1] != k:
@@ -144,7 +149,7 @@ def permute_slots(act, order, sorted_token_ids, expert_ids, num_tokens_post_padd
                          f"({sorted_token_ids.shape[0]}) in blocks of block_m = {block_m}")
     if out is None:
         out = interop.empty((num_slots, k), act.dtype)
-    out = interop.check_tensor("out", out, dtype=act.dtype, shape=(num_slots, k))
+    out = interop.check_tensor("out", out, dtype=act.dtype, shape=(num_slots, k), alignment=4)
     vectorized = k % 8 == 0 and act.data_ptr() % 16 == 0
     launch_kernel(make_permute_kernel(k, block_m, vectorized), sorted_token_ids.shape[0], _threads(k),
                   _words(act, vectorized), interop.to_kernel(order), interop.to_kernel(sorted_token_ids),

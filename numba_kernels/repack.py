@@ -60,7 +60,7 @@ from layouts import QuantSpec
 from . import interop, ptx
 from .launch import launch_kernel
 from .elements import code_reader, group_reader, scale_decoder, scale_encoder, scale_reader, zero_reader
-from .weights import KernelWeights
+from .weights import SLOTS, KernelWeights
 
 THREADS = 256
 MAX_BLOCKS = 4 if ptx.SIMULATED else 65536
@@ -281,6 +281,8 @@ def repack(src: KernelWeights, dst_spec: QuantSpec, *, out: dict | None = None,
     if row_offset < 0 or row_offset + n > dst_rows:
         raise ValueError(f"rows {row_offset}..{row_offset + n} do not fit a destination of {dst_rows} rows")
     check_convertible(src.spec, dst_spec, (dst_rows, k))
+    if out is not None and not isinstance(out, dict):
+        raise TypeError(f"out must map dst_spec's tensor names to tensors, got {type(out).__name__}")
     if experts is None:
         experts = range(held if out is None else _expert_count(dst_spec, out))
     if not isinstance(experts, range) or experts.step < 1 or (len(experts) and experts[0] < 0):
@@ -290,6 +292,8 @@ def repack(src: KernelWeights, dst_spec: QuantSpec, *, out: dict | None = None,
                for name, (shape, dtype) in destination_tensors(dst_spec, (len(experts), dst_rows, k)).items()}
     else:
         out = _checked_out(dst_spec, out, (dst_rows, k))
+        sources = {f"src.{slot}": tensor for slot, tensor in zip(SLOTS, src.tensors) if tensor.numel() > 1}
+        interop.check_disjoint({**sources, **{f"out[{name!r}]": tensor for name, tensor in out.items()}})
     if len(experts) == 0:
         return out
     src_first, src_step = _stack_index(experts, held, "src")

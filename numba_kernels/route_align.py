@@ -24,8 +24,8 @@ import functools
 
 from numba import cuda, int32
 
-from . import ptx
-from .align import ROUTED_TOKENS, check_alignment, make_routed_aligner
+from . import interop, ptx
+from .align import ROUTED_TOKENS, check_alignment, check_expert_map, make_routed_aligner
 from .launch import STATIC_SHARED_BYTES, launch_kernel
 from .routing import RouterShape, RoutingConfig, block_threads, check_routing, make_token_router
 
@@ -87,13 +87,14 @@ def make_route_align_kernel(routing_key: tuple, block_size: int, map_mode: str, 
 
 
 def route_and_align(router_logits, config: RoutingConfig, block_size: int, *, correction_bias=None, expert_map=None,
-                    out_topk=None, out_alignment=None, lanes: int | None = None):
+                    out_topk=None, out_alignment=None, lanes: int | None = None, check_map: bool = True):
     """`route(router_logits, config, ...)` then `moe_align_block_size(topk_ids, block_size,
     E, expert_map=...)` in one launch: returns (topk_weights, topk_ids, sorted_token_ids,
     expert_ids, num_tokens_post_padded). out_topk / out_alignment: optional preallocated
     outputs as those functions take them. At most `max_tokens(config, E)` tokens. lanes:
     tokens routed side by side, 1 to `max_lanes(config, E)`, at least a thread per slot
-    (default `default_lanes`)."""
+    (default `default_lanes`). check_map validates expert_map's values (a host sync; the
+    layer's own map, checked when its config was built, skips it)."""
     routing = check_routing(router_logits, config, correction_bias=correction_bias, out=out_topk)
     tokens, experts = routing.logits.shape
     most, limit = max_lanes(config, experts), max_tokens(config, experts)
@@ -110,7 +111,13 @@ def route_and_align(router_logits, config: RoutingConfig, block_size: int, *, co
                          f">= {-(-tokens * config.top_k // block_threads(experts))} lanes of "
                          f"{block_threads(experts)} threads, got {lanes}")
     alignment = check_alignment(routing.ids, block_size, experts, expert_map=expert_map, out=out_alignment,
-                                check_ids=False)
+                                check_ids=False)  # the routing writes valid ids
+    if check_map and alignment.expert_map is not None:
+        check_expert_map(alignment.expert_map, experts)
+    if out_topk is not None and out_alignment is not None:  # each checked alone above
+        interop.check_disjoint({"out_topk[0]": routing.weights, "out_topk[1]": routing.ids,
+                                "out_alignment[0]": alignment.sorted_ids, "out_alignment[1]": alignment.expert_ids,
+                                "out_alignment[2]": alignment.num_post})
     if tokens == 0:
         alignment.num_post.zero_()
     else:

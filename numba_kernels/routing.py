@@ -453,6 +453,7 @@ def check_routing(router_logits, config: RoutingConfig, *, correction_bias=None,
             raise TypeError(f"out must be a (topk_weights, topk_ids) pair, got {type(out).__name__}")
         weights = interop.check_tensor("out[0] (topk_weights)", out[0], dtype=torch.float32, shape=shape)
         ids = interop.check_tensor("out[1] (topk_ids)", out[1], dtype=torch.int32, shape=shape)
+        interop.check_disjoint({"out[0] (topk_weights)": weights, "out[1] (topk_ids)": ids})
     return RoutingCall(config, logits, bias, weights, ids)
 
 

@@ -16,6 +16,8 @@ every tensor against the spec before anything reaches a kernel.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import attrs
 import numpy as np
 import torch
@@ -23,6 +25,9 @@ import torch
 from layouts import QuantSpec
 
 from . import interop
+
+SLOTS = ("weight", "scales", "zeros", "g_idx", "k_order", "global_scale")
+"""The six arrays' names, in their order (module docstring)."""
 
 _STORAGE_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.uint8): torch.uint8,
                    np.dtype(np.float16): torch.float16, np.dtype(np.uint16): torch.bfloat16,
@@ -66,6 +71,19 @@ def _exactly_as(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Te
     return converted
 
 
+def _check_groups(name: str, g_idx: torch.Tensor, groups: int) -> None:
+    low, high = int(g_idx.min()), int(g_idx.max())
+    if low < 0 or high >= groups:
+        raise ValueError(f"{name} must lie in [0, {groups}) (the scale groups), got values from {low} to {high}")
+
+
+def _check_permutations(name: str, order: torch.Tensor) -> None:
+    k = order.shape[-1]
+    identity = torch.arange(k, dtype=order.dtype, device=order.device).expand_as(order)
+    if not torch.equal(order.sort(dim=-1).values, identity):
+        raise ValueError(f"{name} must order the {k} input features: each row a permutation of 0..{k - 1}")
+
+
 def _as_3d(tensor: torch.Tensor, experts: int, name: str) -> torch.Tensor:
     if tensor.dim() == 2:
         tensor = tensor.unsqueeze(0)
@@ -94,10 +112,17 @@ class KernelWeights:
         object.__setattr__(self, "_arrays", tuple(interop.to_kernel(t) for t in self.tensors))
 
     @classmethod
-    def from_physical(cls, spec: QuantSpec, physical: dict, shape: tuple[int, ...] | None = None) -> "KernelWeights":
+    def from_physical(cls, spec: QuantSpec, physical: dict, shape: tuple[int, ...] | None = None, *,
+                      check_indices: bool = True) -> "KernelWeights":
         """Check the engine-named tensors in `physical` (torch or numpy) against `spec` and
         arrange them for kernels. `shape` is the logical (N, K) or (E, N, K); it can be
-        omitted where the arrays determine it (no padding in the layout)."""
+        omitted where the arrays determine it (no padding in the layout). `check_indices`
+        checks act-order's g_idx and sort indices (a host sync): kernels index memory with
+        them. Buffers not yet written pass False."""
+        if not isinstance(spec, QuantSpec):
+            raise TypeError(f"spec must be a QuantSpec (layouts.formats), got {type(spec).__name__}")
+        if not isinstance(physical, Mapping):
+            raise TypeError(f"physical must map tensor names to tensors, got {type(physical).__name__}")
         if shape is None:
             shape = _stored_shape(spec, physical)
         shape = tuple(int(s) for s in shape)
@@ -127,20 +152,30 @@ class KernelWeights:
             zeros = tensor(spec.zeros.name, spec.zeros.layout, (n, groups), zero_storage)
         else:
             zeros = torch.zeros((1, 1, 1), dtype=torch.int32, device=device)
+        def per_feature(name):  # act-order's (K,) tensors: one for every expert, or one each
+            value = _as_device_tensor(name, spec._get(physical, name), torch.int32)
+            if tuple(value.shape) not in ((k,), (1, k), (experts, k)):
+                raise ValueError(f"{spec.name}: {name} must be shaped ({k},) or ({experts}, {k}), "
+                                 f"got {tuple(value.shape)}")
+            return value.reshape(-1, k)
+
         g_idx = torch.zeros((1, 1), dtype=torch.int32, device=device)
         if spec.g_idx_name is not None:
-            g_idx = _as_device_tensor(spec.g_idx_name, spec._get(physical, spec.g_idx_name), torch.int32).reshape(-1, k)
+            g_idx = per_feature(spec.g_idx_name)
+            if check_indices:
+                _check_groups(f"{spec.name}: {spec.g_idx_name}", g_idx, groups)
         k_order = torch.zeros((1, 1), dtype=torch.int32, device=device)
         if spec.sort_k_by_group:
-            k_order = _as_device_tensor(spec.sort_indices_name, spec._get(physical, spec.sort_indices_name),
-                                        torch.int32).reshape(-1, k)
+            k_order = per_feature(spec.sort_indices_name)
+            if check_indices:
+                _check_permutations(f"{spec.name}: {spec.sort_indices_name}", k_order)
         global_scale = torch.ones(1, dtype=torch.float32, device=device)
         if spec.global_scale_name is not None:
             global_scale = _as_device_tensor(spec.global_scale_name, spec._get(physical, spec.global_scale_name),
                                              torch.float32).reshape(-1)
-        for name, value in (("g_idx", g_idx), ("k_order", k_order), ("global_scale", global_scale)):
-            if value.shape[0] not in (1, experts):
-                raise ValueError(f"{spec.name}: {name} must hold 1 or {experts} experts, got shape {tuple(value.shape)}")
+        if global_scale.shape[0] not in (1, experts):
+            raise ValueError(f"{spec.name}: {spec.global_scale_name} must hold 1 or {experts} experts, got shape "
+                             f"{tuple(global_scale.shape)}")
         return cls(spec, (experts, n, k), (weight, scales, zeros, g_idx, k_order, global_scale))
 
     def arrays(self) -> tuple:
