@@ -143,7 +143,8 @@ def check_tensor(name: str, value, *, dtype=None, shape=None, ndim=None, contigu
     if shape is not None and tensor.shape != shape:  # equal: no per-axis look (a check per eager forward)
         if tensor.dim() != len(shape) or any(want is not None and want != got
                                              for want, got in zip(shape, tensor.shape)):
-            wanted = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+            sizes = ["*" if s is None else str(s) for s in shape]
+            wanted = f"({sizes[0]},)" if len(sizes) == 1 else "(" + ", ".join(sizes) + ")"
             raise ValueError(f"{name} must have shape {wanted}, got {tuple(tensor.shape)}")
     if contiguous and not tensor.is_contiguous():
         raise ValueError(f"{name} must be contiguous (call .contiguous() first), got strides {tensor.stride()}")

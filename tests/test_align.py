@@ -127,7 +127,7 @@ def test_errors():
         moe_align_block_size(topk_ids, 0, 8)
     with pytest.raises(ValueError, match=r"num_experts must be an integer in \[1, 1024\]"):
         moe_align_block_size(topk_ids, 16, 2048)
-    with pytest.raises(ValueError, match=r"expert_map must have shape \(8\)"):
+    with pytest.raises(ValueError, match=r"expert_map must have shape \(8,\)"):
         moe_align_block_size(topk_ids, 16, 8, expert_map=torch.zeros(4, dtype=torch.int32, device=device))
     with pytest.raises(ValueError, match=r"expert_map must hold local ids in \[0, 8\) or -1"):
         moe_align_block_size(topk_ids, 16, 8, expert_map=torch.full((8,), -2, dtype=torch.int32, device=device))

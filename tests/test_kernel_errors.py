@@ -11,6 +11,7 @@ import torch
 from layouts import formats
 from layouts.samples import random_quantized
 from numba_kernels import interop
+from numba_kernels.activation import Activation
 from numba_kernels.align import moe_align_block_size
 from numba_kernels.batched_align import batched_align
 from numba_kernels.gemm import GemmTile, grouped_gemm
@@ -118,3 +119,10 @@ def test_tile_options_of_the_wrong_type(options, error, message):
 def test_batched_align_counts_are_ints():
     with pytest.raises(ValueError, match="tokens_per_expert must be an integer >= 1, got True"):
         batched_align(_ints(2), True, 16)
+
+
+def test_activation_parameters_are_numbers():
+    with pytest.raises(TypeError, match="alpha must be a number, got None"):
+        Activation("swigluoai", alpha=None)
+    with pytest.raises(TypeError, match="limit must be a number, got '7'"):
+        Activation("swigluoai", limit="7")

@@ -177,7 +177,7 @@ def test_tensor_errors():
         route(logits.to(torch.int32), config)
     with pytest.raises(ValueError, match="router_logits must have 2 dimensions"):
         route(logits[0], config)
-    with pytest.raises(ValueError, match=r"correction_bias must have shape \(8\)"):
+    with pytest.raises(ValueError, match=r"correction_bias must have shape \(8,\)"):
         route(logits, config, correction_bias=torch.zeros(7, device=device))
     with pytest.raises(TypeError, match="config must be a RoutingConfig"):
         route(logits, {"top_k": 2})
