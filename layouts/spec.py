@@ -94,6 +94,13 @@ class QuantSpec:
 
     # -- shapes ---------------------------------------------------------------------------
 
+    @property
+    def tensor_names(self) -> frozenset[str]:
+        """The names of the physical tensors this spec stores (what `pack` writes)."""
+        optional = (self.zeros.name if self.zeros is not None else None, self.g_idx_name,
+                    self.sort_indices_name if self.sort_k_by_group else None, self.global_scale_name, self.shape_name)
+        return frozenset((self.weight.name, self.scales.name) + optional) - {None}
+
     def groups(self, k: int) -> int:
         """Number of scale groups along K: ceil(K / group_size), 1 when channel-wise."""
         return 1 if self.group_size is None else -(-k // self.group_size)

@@ -161,3 +161,9 @@ class MoEConfig:
     def gate_up_size(self) -> int:
         """gemm1's output width: 2 I for gated activations, I otherwise."""
         return 2 * self.intermediate_size if self.activation.gated else self.intermediate_size
+
+
+def check_config(config) -> None:
+    """Raise unless `config` is a MoEConfig (arguments swapped or left out fail far away)."""
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")

@@ -37,7 +37,7 @@ from numba_kernels.permute import permute_slots
 from numba_kernels.route_align import route_and_align
 from numba_kernels.routing import LOGIT_DTYPES, route
 
-from .config import MoEConfig
+from .config import MoEConfig, check_config
 from .hooks import GemmStep, MoEHooks
 from .oracle import Backend, fused_activation_kind, fused_combine_kind, fused_routing, select_backend
 from .weights import ExpertWeights
@@ -83,8 +83,7 @@ def check_weights(config: MoEConfig, weights: ExpertWeights) -> None:
     if not isinstance(weights, ExpertWeights):
         raise TypeError(f"weights must be ExpertWeights (MoELayer.weights, or process_weights_after_loading's "
                         f"result), got {type(weights).__name__}")
-    if not isinstance(config, MoEConfig):
-        raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+    check_config(config)
     if weights.config is not config and weights.config != config:  # `is` first: eq compares every field
         raise ValueError("weights were built for another MoEConfig than the one given")
     weights.check_loaded()

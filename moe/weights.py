@@ -32,7 +32,7 @@ from numba_kernels.permute import groups_are_runs, plain_spec
 from numba_kernels.repack import destination_tensors, repack
 from numba_kernels.weights import KernelWeights
 
-from .config import MoEConfig
+from .config import MoEConfig, check_config
 
 
 def _to_tensor(value) -> torch.Tensor:
@@ -46,14 +46,7 @@ def _to_tensor(value) -> torch.Tensor:
     return interop.as_tensor(value, "checkpoint tensor")
 
 
-def tensor_names(spec: QuantSpec) -> frozenset[str]:
-    """The checkpoint tensors `spec` reads."""
-    optional = (spec.zeros.name if spec.zeros is not None else None, spec.g_idx_name,
-                spec.sort_indices_name if spec.sort_k_by_group else None, spec.global_scale_name, spec.shape_name)
-    return frozenset((spec.weight.name, spec.scales.name) + optional) - {None}
-
-
-UNREAD_NAMES = frozenset().union(*(tensor_names(spec) for spec in (
+UNREAD_NAMES = frozenset().union(*(spec.tensor_names for spec in (
     formats.gptq(symmetric=False, act_order=True), formats.awq(), formats.compressed_tensors(symmetric=False),
     formats.marlin(zero_points=True), formats.marlin(act_order=True),
     *(formats.nvfp4(checkpoint=name) for name in formats.NVFP4_CHECKPOINTS)))) | {"input_scale", "input_global_scale"}
@@ -88,7 +81,8 @@ def _check_stored_shape(label: str, tensor: torch.Tensor, logical: tuple[int, in
                          "per expert")
 
 
-_K_ORDERS = ("g_idx", "g_idx_sort_indices")
+_ACT_ORDER = formats.marlin(act_order=True)
+_K_ORDERS = (_ACT_ORDER.g_idx_name, _ACT_ORDER.sort_indices_name)
 """Act-order's per-feature tensors (GPTQ's groups, Marlin's sort): one (K,) may serve every
 expert, and checkpoints without act-order may carry them in K order, or empty."""
 
@@ -98,7 +92,7 @@ def _check_unread(name: str, tensor: torch.Tensor, k: int, spec: QuantSpec) -> N
     (`k // group_size`), or one value throughout (symmetric GPTQ's qzeros). Otherwise the
     checkpoint is act-order or has zero points, and the QuantScheme says it has not."""
     if name in _K_ORDERS and tensor.numel():
-        trivial = torch.arange(k, device=tensor.device) // ((spec.group_size or k) if name == "g_idx" else 1)
+        trivial = torch.arange(k, device=tensor.device) // ((spec.group_size or k) if name == _K_ORDERS[0] else 1)
         if tensor.shape != trivial.shape or not torch.equal(tensor.long(), trivial):
             raise ValueError(f"{name} is not in K order: the checkpoint is act-order, and {spec.name} reads no "
                              "g_idx (QuantScheme(act_order=True))")
@@ -118,8 +112,7 @@ class ExpertWeights:
                       (`w13.k_order`, `w2.k_order`)."""
 
     def __init__(self, config: MoEConfig):
-        if not isinstance(config, MoEConfig):
-            raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+        check_config(config)
         self.config = config
         self.checkpoint_spec = config.quant.checkpoint_spec(config.dtype)
         self.stored_spec = kernel_spec(config)
@@ -173,7 +166,7 @@ class ExpertWeights:
         (compressed-tensors' weight_shape) agrees with the layer (`KernelWeights.from_physical`
         checks what the spec reads, act-order's indices among them)."""
         spec = self.checkpoint_spec
-        read = tensor_names(spec)
+        read = spec.tensor_names
         unknown = sorted(set(physical) - read - UNREAD_NAMES)
         if unknown:
             raise ValueError(f"unexpected tensors {unknown} ({spec.name} reads {sorted(read)}; expert biases or "

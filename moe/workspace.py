@@ -19,7 +19,7 @@ from numba_kernels.align import align_sizes
 from numba_kernels.epilogue import arrivals_needed
 from numba_kernels.gemm import GemmTile
 
-from .config import MoEConfig
+from .config import MoEConfig, check_config
 from .oracle import (Backend, fused_activation_kind, fused_combine_kind, select_backend, token_buckets,
                      writes_partials)
 from .replay import ProgramCache
@@ -98,8 +98,7 @@ def arrivals_elements(config: MoEConfig, backend: Backend, blocks: int, tokens: 
 def check_layer_types(config: MoEConfig, spec: QuantSpec) -> None:
     """A workspace is built from a config and a weights' spec (arguments swapped or left
     out would fail far from here)."""
-    if not isinstance(config, MoEConfig):
-        raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+    check_config(config)
     if not isinstance(spec, QuantSpec):
         raise TypeError(f"spec must be a QuantSpec (the weights' spec: weights.spec), got {type(spec).__name__}")
 

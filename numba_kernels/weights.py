@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from layouts import QuantSpec
+from layouts.checks import check_per_expert
 
 from . import interop
 
@@ -154,9 +155,7 @@ class KernelWeights:
             zeros = torch.zeros((1, 1, 1), dtype=torch.int32, device=device)
         def per_feature(name):  # act-order's (K,) tensors: one for every expert, or one each
             value = _as_device_tensor(name, spec._get(physical, name), torch.int32)
-            if tuple(value.shape) not in ((k,), (1, k), (experts, k)):
-                raise ValueError(f"{spec.name}: {name} must be shaped ({k},) or ({experts}, {k}), "
-                                 f"got {tuple(value.shape)}")
+            check_per_expert(f"{spec.name}: {name}", value.shape, (experts,), (k,))
             return value.reshape(-1, k)
 
         g_idx = torch.zeros((1, 1), dtype=torch.int32, device=device)
