@@ -173,11 +173,10 @@ class ExpertWeights:
                              "other extra tensors are not supported)")
         k = logical[1]
         for name, value in physical.items():
-            tensor = _to_tensor(value)
             if name == spec.shape_name:
-                _check_stored_shape(name, tensor, logical, experts=1)
-            if name not in read:
-                _check_unread(name, tensor, k, spec)
+                _check_stored_shape(name, _to_tensor(value), logical, experts=1)
+            elif name not in read:
+                _check_unread(name, _to_tensor(value), k, spec)
         return {name: value for name, value in physical.items() if name in read and name != spec.shape_name}
 
     def load_expert(self, expert: int, w1: Mapping, w2: Mapping, w3: Mapping | None = None) -> None:

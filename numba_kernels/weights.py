@@ -153,6 +153,7 @@ class KernelWeights:
             zeros = tensor(spec.zeros.name, spec.zeros.layout, (n, groups), zero_storage)
         else:
             zeros = torch.zeros((1, 1, 1), dtype=torch.int32, device=device)
+
         def per_feature(name):  # act-order's (K,) tensors: one for every expert, or one each
             value = _as_device_tensor(name, spec._get(physical, name), torch.int32)
             check_per_expert(f"{spec.name}: {name}", value.shape, (experts,), (k,))
