@@ -54,7 +54,7 @@ def two_gemms(pair, backend, hidden, intermediate, topk_ids, num_experts, permut
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["qwen3", "mixtral"], choices=list(SHAPES))
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 256, 4096])
     parser.add_argument("--no-gathered", dest="gathered", action="store_false", help="skip the gathering GEMMs")

@@ -79,7 +79,7 @@ def source_digest(root) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("files", nargs="*", help="JSON files written by bench_moe.py --json")
     parser.add_argument("--sources", metavar="DIR", help="print the digest of the sources under DIR instead")
     args = parser.parse_args(argv)

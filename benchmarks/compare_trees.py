@@ -76,7 +76,7 @@ def worker(tree: str, jobs: list[str], attempts: int = 3) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trees", nargs="+", required=True, help="name=path of each source tree")
     parser.add_argument("--jobs", nargs="+", required=True, help="shape:format:M")
     parser.add_argument("--rounds", type=int, default=2)

@@ -22,7 +22,7 @@ from moe import MoEConfig, MoELayer
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="mixtral", choices=list(SHAPES))
     parser.add_argument("--format", default="w4a16-g128", choices=list(FORMATS))
     parser.add_argument("--tokens", type=int, default=1)

@@ -22,6 +22,7 @@ is timed as bench_moe times the GEMMs: one CUDA graph, L2 flushed, median.
 
 from __future__ import annotations
 
+import argparse
 import functools
 
 import torch
@@ -124,7 +125,8 @@ def timed(timer, kernel, grid: int, words, sink, chunks: int, slabs: int, per_sm
     return timer(captured(replaying(run)))
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     timer = Timer()
     print(f"{torch.cuda.get_device_name()}: us (TB/s) of reads shaped like a decode GEMM")
     for model, tokens, experts in ROWS:

@@ -138,7 +138,7 @@ def evolve_tiles(changes: list[str]) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=50)
     parser.add_argument("--pool", type=int, default=4, help="inputs per case")
     parser.add_argument("--load", action="store_true", help="bf16 matmuls on another stream meanwhile")

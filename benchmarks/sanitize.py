@@ -10,6 +10,8 @@ activation, combine, LoRA, dequantize and the act-order permutes (half pairs in 
 layer, elements for an odd K), each layer call twice (recorded, then replayed).
 """
 
+import argparse
+
 import attrs
 import numpy as np
 import torch
@@ -25,7 +27,8 @@ from numba_kernels.permute import permute_slots
 from numba_kernels.routing import RoutingConfig, route
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     config = MoEConfig(num_experts=8, top_k=2, hidden_size=256, intermediate_size=128,
                        quant=QuantScheme("gptq", group_size=128))
     generator = torch.Generator(device="cuda").manual_seed(0)

@@ -52,7 +52,7 @@ FAMILIES = {  # the oracle's tiles and the variants they were measured against
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["mixtral", "qwen3"], choices=sorted(SHAPES))
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 16])

@@ -11,7 +11,7 @@ Read each one as a formula on the logical codes (N, K) (the last step applies la
     trtllm_fp4_moe:      rows: Permute(32-row shuffle) ∘ [InterleaveHalves]; scales then Swizzle128x4
 
 Every format takes the MoE stacking (E, ...) in stride: transforms act on the last two axes.
-The byte-exactness of each is checked against the engines' own code in tests/test_golden.py.
+The byte-exactness of each is checked against the engines' own code in tests/test_layouts_golden.py.
 """
 
 from __future__ import annotations

@@ -375,7 +375,7 @@ def save(config: MoEConfig, backends: dict[int, Backend], device: str | None = N
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m moe.tune", description=__doc__.split("\n\n")[0])
     parser.add_argument("--experts", type=int, required=True)
     parser.add_argument("--top-k", type=int, required=True)
     parser.add_argument("--hidden", type=int, required=True)
@@ -397,6 +397,8 @@ def main(argv=None) -> None:
                            intermediate_size=args.intermediate, quant=quant)
     except ValueError as error:  # the shape's own checks, as a usage error rather than a traceback
         parser.error(str(error))
+    if interop.SIMULATED or not torch.cuda.is_available():
+        parser.error("moe.tune times kernels on a CUDA GPU, and none is available here")
 
     def report(tokens, stage, tile, ms):
         if args.verbose:

@@ -273,6 +273,14 @@ def test_tuning_without_a_gpu_says_so():
         tune(CONFIG, [2], progress=False)
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and not SIMULATED, reason="this machine can time kernels")
+def test_the_command_line_without_a_gpu_says_so(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        moe.tune.main(["--experts", "4", "--top-k", "2", "--hidden", "64", "--intermediate", "64"])
+    assert exit_info.value.code == 2  # a usage error, not a traceback
+    assert "error: moe.tune times kernels on a CUDA GPU" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args, message", [
     (["--top-k", "5"], r"top_k \(5\) must not exceed num_experts \(4\)"),
     (["--top-k", "2", "--tokens", "0"], "--tokens and --routings must be positive"),

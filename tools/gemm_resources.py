@@ -25,9 +25,9 @@ sit in a block only later CTAs run).
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import re
-import sys
 
 import attrs
 import numpy as np
@@ -133,8 +133,17 @@ def loads_before_wait(spec: QuantSpec, tile: GemmTile) -> str:
     return " | ".join(segments) or "no wait"
 
 
-if __name__ == "__main__":
-    arguments = sys.argv[1:]
-    report = digest if "--digest" in arguments else loads_before_wait if "--before-wait" in arguments else resources
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tools.gemm_resources", description=__doc__.split("\n\n")[0])
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--digest", action="store_true", help="a hash of each kernel's PTX instead of its resources")
+    which.add_argument("--before-wait", action="store_true",
+                       help="the global loads the SASS issues before each wait (needs nvdisasm)")
+    args = parser.parse_args(argv)
+    report = digest if args.digest else loads_before_wait if args.before_wait else resources
     for spec, tile in CASES:
         print(f"{spec.name:12s} {tile}: {report(spec, tile)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
