@@ -63,9 +63,11 @@ def main(argv=None) -> None:
     untuned = "tuned tables are measured on GPUs" if SIMULATED else \
         "no tuned table for this shape on this GPU's architecture: `python -m moe.tune` writes one"
     print(f"tiles: tuned on {tuned_on}" if tuned_on else f"tiles: the oracle's heuristic ({untuned})")
+    print("converting the checkpoint to the kernel layout ...", flush=True)
     start = time.perf_counter()
     layer.load_weights(checkpoint.w1, checkpoint.w2, checkpoint.w3)
     print(f"weights converted to the kernel layout in {time.perf_counter() - start:.2f} s")
+    print(f"first forward of {args.tokens} tokens (it records the kernel launches) ...", flush=True)
 
     device = interop.kernel_device()
     hidden = torch.from_numpy(rng.standard_normal((args.tokens, config.hidden_size))).to(torch.bfloat16)
