@@ -2,6 +2,8 @@
 weights in any spec (the fast Marlin-tile path and the index-map path), every tile shape,
 and the cases the engines got wrong."""
 
+import itertools
+
 import attrs
 import numpy as np
 import pytest
@@ -358,6 +360,40 @@ def test_native_nvfp4_places_three_codes_of_four_one_shift_and_mask_from_a_bfloa
     bytes_placed = attrs.evolve(formats.nvfp4(), weight=Tensor("weight", Layout(
         (Transpose(), Transpose(), Transpose(), BitPack(4, word_bits=8, places=tuple(range(8)))))))
     assert not fast_path_supported(bytes_placed, "bfloat16")  # four steps, but not Marlin's tiles (found by Hypothesis)
+
+
+def test_no_placement_of_three_one_piece_codes_decodes_in_fewer_instructions():
+    """Why `formats.NVFP4_PLACES` stays (the sixty-fifth session timed NVFP4's bit moves at
+    1.2 us of Qwen3's 17.7 at M = 1): a code moves in one piece when its bits sit as
+    p..p+2, p+9 of a half (a bfloat16's 6..8, 15 shifted), and three such codes fit a half
+    only at p = 0, 3 and 6. Every order of the fourth code's bits in what they leave (10,
+    11, 13, 14) takes at least 4 instructions, so 9 a word is the least of those placements."""
+    shapes = [(p, p + 1, p + 2, p + 9) for p in range(7)]
+    trios = [trio for trio in itertools.combinations(shapes, 3) if len(set(sum(trio, ()))) == 12]
+    assert trios == [((0, 1, 2, 9), (3, 4, 5, 12), (6, 7, 8, 15))]
+
+    def word(last):  # the three codes, then the fourth's bits in the order given; both halves alike
+        half = sum(trios[0], ()) + last
+        return half + tuple(16 + bit for bit in half)
+
+    fewest = min(sum(move_instructions(moves) for moves in e2m1_moves(word(last), "bfloat16"))
+                 for last in itertools.permutations((10, 11, 13, 14)))
+    assert fewest == 9
+    # Nor across words: every register one (funnel) shift and one mask would need translates
+    # of a register's bits (6..8, 15 of each half) to tile the 128 bits of a lane's slab.
+    pattern = (6, 7, 8, 15, 22, 23, 24, 31)
+
+    def tiles(covered):
+        if covered == (1 << 128) - 1:
+            return True
+        cell = next(bit for bit in range(128) if not covered >> bit & 1)  # the first bit left: some translate covers it
+        for offset in {(cell - bit) % 128 for bit in pattern}:
+            translate = sum(1 << (offset + bit) % 128 for bit in pattern)
+            if not covered & translate and tiles(covered | translate):
+                return True
+        return False
+
+    assert not tiles(0)
 
 
 @pytest.mark.parametrize("spec, deferred", [
