@@ -26,7 +26,7 @@ from .reference import random_checkpoint, reference_moe
 
 QWEN3 = dict(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768)
 TINY = dict(num_experts=8, top_k=2, hidden_size=64, intermediate_size=64)
-TOLERANCE = 2e-2  # relative error a bfloat16 forward stays under (activations and outputs are rounded to 8 bits)
+TOLERANCE = 2e-2  # relative error a bfloat16 forward stays under (8 significant bits in activations and outputs)
 
 
 def touched_weight_bytes(layer: MoELayer, topk_ids: np.ndarray) -> int:

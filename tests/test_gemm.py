@@ -364,7 +364,7 @@ def test_native_nvfp4_places_three_codes_of_four_one_shift_and_mask_from_a_bfloa
 
 def test_no_placement_of_three_one_piece_codes_decodes_in_fewer_instructions():
     """Why `formats.NVFP4_PLACES` stays (the sixty-fifth session timed NVFP4's bit moves at
-    1.2 us of Qwen3's 17.7 at M = 1): a code moves in one piece when its bits sit as
+    1.15 us of Qwen3's 17.7 at M = 1): a code moves in one piece when its bits sit as
     p..p+2, p+9 of a half (a bfloat16's 6..8, 15 shifted), and three such codes fit a half
     only at p = 0, 3 and 6. Every order of the fourth code's bits in what they leave (10,
     11, 13, 14) takes at least 4 instructions, so 9 a word is the least of those placements."""
