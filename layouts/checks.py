@@ -2,6 +2,7 @@
 name the attribute or argument, what it may be and what it got (attrs' own `in_` adds its
 internals)."""
 
+import numbers
 import operator
 
 
@@ -13,6 +14,18 @@ def one_of(options: tuple):
             raise ValueError(f"{attribute.name} must be one of {options}, got {value!r}")
 
     return check
+
+
+def real_number(name: str):
+    """An attrs converter to float that refuses what is not a real number (float() would
+    take "2" or True)."""
+
+    def convert(value) -> float:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be a number, got {value!r}")
+        return float(value)
+
+    return convert
 
 
 def check_group_size(instance, attribute, value):

@@ -12,12 +12,12 @@ output, it works with every weight format, quantized bases included.
 
 from __future__ import annotations
 
-import numbers
 from typing import Sequence
 
 import attrs
 import torch
 
+from layouts.checks import real_number
 from numba_kernels import interop
 from numba_kernels.lora import add_lora
 
@@ -38,7 +38,7 @@ class LoRAAdapter:
     gate_up_b: torch.Tensor
     down_a: torch.Tensor
     down_b: torch.Tensor
-    scaling: float = 1.0
+    scaling: float = attrs.field(default=1.0, converter=real_number("scaling"))
 
     def __attrs_post_init__(self):
         for field in _RANK_AXES:
@@ -49,8 +49,6 @@ class LoRAAdapter:
             if getattr(self, field).shape[rank_axis] != self.rank:
                 raise ValueError(f"{field} must hold the rank ({self.rank}, gate_up_a's second axis) along axis "
                                  f"{rank_axis}, got shape {tuple(getattr(self, field).shape)}")
-        if isinstance(self.scaling, bool) or not isinstance(self.scaling, numbers.Real):
-            raise TypeError(f"scaling must be a number (alpha / r), got {self.scaling!r}")
 
     @property
     def rank(self) -> int:

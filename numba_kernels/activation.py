@@ -27,31 +27,19 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 
 import attrs
 import numpy as np
 import torch
 from numba import cuda, float32, uint32
 
-from layouts.checks import one_of
+from layouts.checks import one_of, real_number
 
 from .ptx import device, divide_approx, exp_approx, kernel, release_next, wait_for_previous
 from .rows import (DTYPE_NAMES, ONE, ZERO, as_float64, check_partials, chunk_reader, chunk_size, chunk_writer,
                    grid_position, launch_rows, output_tensor, source_array, target_array, vectorizable)
 
 NAMES = ("silu", "gelu", "gelu_tanh", "relu", "swigluoai")
-
-
-def _real(name: str):
-    """A converter to float that refuses what is not a number (float() would take "2")."""
-
-    def convert(value) -> float:
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"{name} must be a number, got {value!r}")
-        return float(value)
-
-    return convert
 
 
 def _positive_finite(instance, attribute, value):
@@ -71,8 +59,8 @@ class Activation:
 
     name: str = attrs.field(validator=one_of(NAMES))
     gated: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
-    alpha: float = attrs.field(default=1.702, converter=_real("alpha"), validator=_positive_finite)
-    limit: float = attrs.field(default=7.0, converter=_real("limit"), validator=_positive_finite)
+    alpha: float = attrs.field(default=1.702, converter=real_number("alpha"), validator=_positive_finite)
+    limit: float = attrs.field(default=7.0, converter=real_number("limit"), validator=_positive_finite)
 
     def __attrs_post_init__(self):
         if self.name == "swigluoai" and not self.gated:
