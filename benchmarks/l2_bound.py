@@ -8,7 +8,7 @@ such a prefetch can do is every byte already in the L2 when the GEMM starts, whi
 times: the two GEMMs in sequence (the benchmark's GEMMs column), then gemm2 alone, each
 with the L2 flushed as `bench_moe` flushes it and then, outside the timed span, the
 touched experts' gemm2 weights (w2), gemm1 weights (w13) or both read back into it.
-Only shapes whose touched weights fit the L2 can gain (Qwen3 at M = 1). BENCHMARKS.md,
+Only shapes whose touched weights fit the L2 can gain (Qwen3 at M = 1). benchmarks/LOG.md,
 fifty-ninth session.
 """
 

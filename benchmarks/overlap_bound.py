@@ -8,7 +8,7 @@ reduction, as the layer runs them) launched on two streams with no dependency at
 which this times from one CUDA graph beside the two in sequence (the benchmark's GEMMs
 column), each alone, and plain reads of their bytes in two kernels and in one. Timed as
 `bench_moe` times (L2 flushed, median); gemm2 reads whatever its intermediate buffer holds
-(the result is not the layer's, only the time counts). BENCHMARKS.md, thirty-fifth session.
+(the result is not the layer's, only the time counts). LOG.md, thirty-fifth session.
 """
 
 import argparse

@@ -63,7 +63,7 @@ def shaped_reads(chunk_major: bool, buffers: int = 2, rounds: int = 0):
     rounds:  rounds of dependent integer work on each loaded word (a shift, a multiply
              and an xor each: 12 instructions a slab per round), standing in for the
              GEMM's work per slab (about 90 instructions a warp in the
-             twenty-fourth session's profile, BENCHMARKS.md)."""
+             twenty-fourth session's profile, LOG.md)."""
 
     @cuda.jit(device=True)
     def load_batch(words, expert, chunk, chunks, slabs, first, lane, raw, slot):

@@ -2,7 +2,7 @@
 prefill GEMM's instruction, a 64 x 64 tile a warp as in its main loop) against Hopper's
 warpgroup mma (`ptx.warpgroup_mma`: A from registers, B from shared memory;
 `ptx.shared_warpgroup_mma`: both from shared memory), each in a loop with no memory traffic, beside torch's bf16 matmul. It bounds what the prefill
-GEMMs could gain by moving to wgmma (BENCHMARKS.md, twenty-ninth session).
+GEMMs could gain by moving to wgmma (LOG.md, twenty-ninth session).
 
     python benchmarks/tensor_rates.py
 """

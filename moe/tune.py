@@ -14,10 +14,10 @@ waits for the alignment, as in the layer). The `FINALISTS` fastest tiles of each
 their twins releasing the next kernel early or late, where timed) are then timed in pairs,
 one GEMM after the other as in the layer, where gemm2 starts beside gemm1's tail: on the
 H200 a fused gemm1 won alone by 2 to 3 % but lost in the layer's sequence by 2 to 5 %
-(DeepSeek at M = 4 and 16, BENCHMARKS.md). A pair runs the activation kernel between the
+(DeepSeek at M = 4 and 16, benchmarks/LOG.md). A pair runs the activation kernel between the
 GEMMs where gemm1 leaves it, as the layer does and the benchmark's GEMMs column does not:
 so at Qwen3 w4a16 M = 1 the tuner sees no gain in gemm1 releasing early, which that column
-times 0.6 us faster and the layer 0.2 (within the spread; H200, BENCHMARKS.md). The
+times 0.6 us faster and the layer 0.2 (within the spread; H200, benchmarks/LOG.md). The
 fastest pair wins, over all block sizes. A time is the mean over `routings` random
 routings (3 by default): with a few slots per expert one draw can rank two tiles the other
 way round from the next (on the H200 one draw picked a Mixtral M = 16 gemm2 tile that the
@@ -73,7 +73,7 @@ PREFILL_SHAPES = [  # (block_m, warps_m, warps_n, slabs_per_warp, stages): the b
     (128, 2, 4, 2, 3)]
 
 
-DECODE_FAMILIES = [  # (up to this many slots per expert, tile): each won some GEMMs on the H200 (BENCHMARKS.md)
+DECODE_FAMILIES = [  # (up to this many slots per expert, tile): each won some GEMMs on the H200 (benchmarks/LOG.md)
     (64, attrs.evolve(DECODE_TILE, warps_k=2)), (64, DECODE_TILE)] + [
     (8, attrs.evolve(SWAPPED_DECODE_TILE, warps_k=warps_k, slabs_per_warp=slabs, steady_loop=steady))
     for warps_k, slabs, steady in (  # swapped: warps along K, slabs per batch, unchecked steady loop

@@ -79,7 +79,7 @@ def launch_stream_handle() -> int:
     """torch's current CUDA stream as a raw handle, for `launch.Launcher` (0 when simulated).
     Asked of torch's C++ side directly where it can (as torch's own generated code does):
     `torch.cuda.current_stream()` builds a Stream object through several layers of Python,
-    3.9 us a call on the H200's host against 0.2 asked directly (BENCHMARKS.md)."""
+    3.9 us a call on the H200's host against 0.2 asked directly (benchmarks/LOG.md)."""
     if SIMULATED:
         return 0
     if _raw_stream is None:

@@ -22,7 +22,7 @@ before it touches what earlier kernels wrote. A `Launcher` launches such a kerne
 with programmatic dependent launch (`cuLaunchKernelEx`, Hopper and later): its CTAs may
 start while the kernel before it finishes (once that one's CTAs have called
 `ptx.release_next` or exited), which hides the launch gap between a decode layer's
-kernels: 0.5 to 2.7 us per layer on the H200 (BENCHMARKS.md). The GEMM releases after
+kernels: 0.5 to 2.7 us per layer on the H200 (benchmarks/LOG.md). The GEMM releases after
 its main loop, or after its wait with `GemmTile.release_early` (when early launch came
 in, CTAs waiting beside running main loops slowed the layer by up to 12 us); the short
 activation kernel releases right after its wait and the one-block fused routing and
@@ -297,7 +297,7 @@ class GraphReplay:
 
     The eager decode layer is host-bound where its kernels are short: at Qwen3 M = 1 its
     four replayed launches took 26 to 42 us a forward (6.6 to 10.5 us a launch, depending
-    on the host) against 21 us on the GPU; as one graph, 15 us of host time (BENCHMARKS.md,
+    on the host) against 21 us on the GPU; as one graph, 15 us of host time (benchmarks/LOG.md,
     forty-ninth session), and the GPU sets the pace. So the launches are captured once,
     on a stream of their own, into a graph (an early launch becomes a programmatic edge, as
     when torch captures the layer), and a call launches the graph: the launchers listed in
