@@ -21,6 +21,8 @@ helper                   PTX                                 used for
 ``load_words[n](a, i)``  ld.global.nc{,.v2,.v4}.u32          n weight words at flat element i
 ``load_written[n](a, i)`` ld.global{,.v2,.v4}.u32            n words an earlier kernel wrote
 ``load_shared[n](s, i)`` ld.shared{,.v2,.v4}.u32             n words of a shared array
+``store_shared4(s, i,    st.shared.v4.u32                    a decoded row of a core
+w0, w1, w2, w3)``                                            matrix, in one store
 ``load_coherent(a, i)``  ld.global.cg.u32                    a word other CTAs wrote
 ``arrive(a, i)``         atom.acq_rel.gpu.global.add.u32     publish a CTA's stores
 ``copy_async(s, i, a,    cp.async.cg.shared.global 16        prefill: global -> shared
@@ -37,6 +39,8 @@ sbo, acc, j)             (a matrix descriptor)               ``benchmarks/tensor
 (h, n)(s, i, lbo, sbo,   (a second descriptor)               by many slots (prefill)
 j, lbo, sbo, acc, j)``
 ``async_proxy_fence()``  fence.proxy.async.shared::cta       threads' stores -> wgmma
+``barrier_sync(b, n)()``  bar.sync b, n                    producer and consumer
+``barrier_arrive(b, n)()`` bar.arrive b, n                  warps handing buffers over
 ``warpgroup_fence()``    wgmma.fence                         before a group's first mma
 ``warpgroup_commit()``   wgmma.commit_group                  close a group of mma
 ``warpgroup_wait[n]()``  wgmma.wait_group n                  all but the newest n groups
@@ -346,13 +350,14 @@ def _gpu_read(asm: str, count: int, address, in_place: bool = False, ordered: bo
 
 
 def _gpu_word_load(count: int, space: str):
-    """Load `count` words from an array in `space`: "global.nc" (the read-only path),
-    "global" (kept after `wait_for_previous`) or "shared"."""
+    """Load `count` words from an array in `space`: "global.nc" (the read-only path, free
+    to move), "global" (kept after `wait_for_previous`) or "shared" (kept after the
+    copies' waits and the barriers)."""
     vector = {1: "", 2: ".v2", 4: ".v4"}[count]
     outputs = ", ".join(f"${n}" for n in range(count))
     outputs = f"{{{outputs}}}" if count > 1 else outputs
     asm = f"ld.{space}{vector}.u32 {outputs}, [${count}];"
-    return _gpu_read(asm, count, _shared_pointer if space == "shared" else _element_pointer, ordered=space == "global")
+    return _gpu_read(asm, count, _shared_pointer if space == "shared" else _element_pointer, ordered=space != "global.nc")
 
 
 def _statement(asm, operand_types=(), constraints=""):
@@ -364,6 +369,30 @@ def _statement(asm, operand_types=(), constraints=""):
         builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), list(operand_types)), asm, clobbers,
                                   side_effect=True), list(operands))
     return emit
+
+
+def _gpu_shared_store4():
+    """store_shared4(shared, i, w0, w1, w2, w3): one st.shared.v4.u32 at flat word i."""
+    from llvmlite import ir
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def store_shared4(typingctx, shared, offset, w0, w1, w2, w3):
+        _check_flat(shared, offset)
+        if not all(isinstance(w, types.Integer) for w in (w0, w1, w2, w3)):
+            raise TypeError(f"store_shared4 stores integer words, got {w0}, {w1}, {w2}, {w3}")
+
+        def codegen(context, builder, sig, args):
+            target = _shared_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            words = [context.cast(builder, args[i], sig.args[i], types.uint32) for i in range(2, 6)]
+            emit = _statement("st.shared.v4.u32 [$0], {$1, $2, $3, $4};", [target.type] + [ir.IntType(32)] * 4,
+                              "l,r,r,r,r")
+            emit(builder, [target] + words)
+            return context.get_dummy_value()
+
+        return types.void(shared, offset, w0, w1, w2, w3), codegen
+
+    return store_shared4
 
 
 def _gpu_async_copies():
@@ -547,7 +576,11 @@ load_words = {n: twins.load_words(n) if SIMULATED else _gpu_word_load(n, "global
 # above its wait, and CUDA-graph replays beside other work now and then read the
 # activation kernel's output before it was written (sixty-first session).
 load_written = {n: twins.load_words(n) if SIMULATED else _gpu_word_load(n, "global") for n in (1, 2, 4)}
-# load_shared[n](shared, offset): the same from a uint32 shared array.
+# load_shared[n](shared, offset): the same from a uint32 shared array, kept in order with
+# the waits and barriers around it: words that copies (`copy_async`) or other threads
+# write are read after the wait that lands them. As an asm without memory effects, LLVM
+# moved a load whose address a loop did not change out of the loop, above every wait
+# (sixty-sixth session; the tiles' machine code is the same either way).
 load_shared = {n: twins.load_words(n) if SIMULATED else _gpu_word_load(n, "shared") for n in (1, 2, 4)}
 # load_coherent(array, offset): the 32-bit word at flat element `offset` of a 32-bit array,
 # cached in L2 only: words another CTA of the same launch wrote (published by `arrive`:
@@ -585,6 +618,9 @@ warpgroup_wait = {n: twins.warpgroup_wait(n) if SIMULATED else _gpu_statement(f"
 # visible to the tensor cores' reads of a later warpgroup mma (after a barrier for other
 # threads' stores).
 async_proxy_fence = twins.no_op if SIMULATED else _gpu_statement("fence.proxy.async.shared::cta;")
+# store_shared4(shared, i, w0, w1, w2, w3): four words to a uint32 shared array at flat
+# word i (16-byte aligned) in one store: a thread's decoded row of a core matrix.
+store_shared4 = twins.store_words if SIMULATED else _gpu_shared_store4()
 _load4 = load_written[4]
 # and_or(a, mask, bits) = (a & mask) | bits in one instruction (ptxas splits the pair when
 # both constants are immediates): the int4 code -> magic-half step of dequantisation.
@@ -637,6 +673,35 @@ def shared_warpgroup_mma(half: str, n: int):
     _check_half(half)
     _check_columns(n)
     return twins.warpgroup(half, n, True) if SIMULATED else _gpu_warpgroup(half, n, True)
+
+
+NAMED_BARRIERS = range(1, 16)  # barrier 0 is `cuda.syncthreads`
+
+
+def _check_barrier(barrier: int, threads: int) -> None:
+    if barrier not in NAMED_BARRIERS or threads < 32 or threads % 32 or threads > 1024:
+        raise ValueError(f"a named barrier is one of 1 to 15 and counts a multiple of 32 threads (at most 1024), "
+                         f"got barrier {barrier!r} of {threads!r} threads")
+
+
+@functools.cache
+def barrier_sync(barrier: int, threads: int):
+    """bar.sync: arrive at named barrier `barrier` and wait until `threads` threads (whole
+    warps) have arrived. With `barrier_arrive`, producer and consumer warps hand a buffer
+    back and forth without stopping the whole CTA."""
+    _check_barrier(barrier, threads)
+    if SIMULATED:
+        return twins.named_barrier(barrier, threads, True)
+    return _gpu_statement(f"bar.sync {barrier}, {threads};")
+
+
+@functools.cache
+def barrier_arrive(barrier: int, threads: int):
+    """bar.arrive: count this thread's warp toward the barrier's `threads` and go on."""
+    _check_barrier(barrier, threads)
+    if SIMULATED:
+        return twins.named_barrier(barrier, threads, False)
+    return _gpu_statement(f"bar.arrive {barrier}, {threads};")
 
 
 @functools.cache

@@ -396,6 +396,47 @@ def ldmatrix4(shared, offset):
     return warp.meet(lane, int(offset), load)[lane]
 
 
+def store_words(shared, offset, w0, w1, w2, w3):
+    """st.shared.v4: four words at flat word `offset` of a uint32 shared array."""
+    shared.reshape(-1)[int(offset):int(offset) + 4] = [np.uint32(int(w) & 0xFFFFFFFF) for w in (w0, w1, w2, w3)]
+
+
+class NamedBarrier:
+    """One of a simulated block's 16 hardware barriers: `threads` arrivals complete a
+    phase; an arriving thread waits for its phase to complete (bar.sync) or goes on
+    (bar.arrive)."""
+
+    def __init__(self):
+        self.arrived, self.generation = 0, 0
+        self.done = threading.Condition()
+
+    def arrive(self, threads: int, wait: bool):
+        with self.done:
+            generation = self.generation
+            self.arrived += 1
+            if self.arrived == threads:
+                self.arrived, self.generation = 0, generation + 1
+                self.done.notify_all()
+            elif wait and not self.done.wait_for(lambda: self.generation != generation, Group.TIMEOUT_SECONDS):
+                raise RuntimeError(f"a named barrier's phase never completed: {threads - self.arrived} of "
+                                   f"{threads} threads never arrived")
+
+
+def named_barrier(barrier: int, threads: int, wait: bool):
+    """bar.sync (wait) or bar.arrive (not) on barrier `barrier` of the calling thread's
+    block, a phase `threads` arrivals long."""
+
+    def arrive():
+        manager = threading.current_thread()._manager
+        barriers = manager.__dict__.get("_numba_moe_barriers")
+        if barriers is None:
+            with _groups_lock:
+                barriers = manager.__dict__.setdefault("_numba_moe_barriers", [NamedBarrier() for _ in range(16)])
+        barriers[barrier].arrive(threads, wait)
+
+    return arrive
+
+
 def f32_bits(x):
     return np.float32(x).view(np.uint32)
 

@@ -91,7 +91,8 @@ def test_bench_rows_are_listed_in_the_tables_order_and_printed(monkeypatch, caps
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 @pytest.mark.parametrize("name,argv", [("bench_moe", ["--shapes", "qwen3", "--tokens", "1"]),
-                                       ("compare_trees", ["--trees", "a=.", "--jobs", "qwen3:nvfp4:1"])])
+                                       ("compare_trees", ["--trees", "a=.", "--jobs", "qwen3:nvfp4:1"]),
+                                       ("specialized_bound", [])])
 def test_a_timing_script_without_a_gpu_says_it_needs_one(name, argv, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     try:
@@ -127,3 +128,18 @@ def test_replay_stress_says_where_outputs_differ_and_changes_the_oracles_tiles(m
         assert moe.workspace.select_backend is moe.runner.select_backend
     finally:
         sys.modules.pop("replay_stress", None)
+
+
+def test_specialized_bound_computes_the_grouped_product_it_times(monkeypatch):
+    """The warp-specialised bound (producer warps decoding into a ring, a consumer
+    warpgroup's wgmma, named barriers) gives act @ dequantised weights: under the
+    simulator at a shape of four CTAs (two experts, two feature tiles) whose 4 stages go
+    round a 2-stage ring twice (on the GPU the script checks itself at a larger one
+    before it times)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    try:
+        bound = importlib.import_module("specialized_bound")
+        generator = torch.Generator(device="cuda" if torch.cuda.is_available() else "cpu").manual_seed(0)
+        assert bound.bound_error(2, 256, 256, 8, 2, 2, generator) < 1e-5
+    finally:
+        sys.modules.pop("specialized_bound", None)

@@ -275,6 +275,85 @@ def test_async_copies_land_only_when_their_group_is_waited_for():
         np.testing.assert_array_equal(seen[0, 2:], 0xFFFFFFFF)
 
 
+@pytest.mark.parametrize("count", [1, 2, 4])
+def test_shared_loads_stay_after_the_wait_that_lands_their_copies(count):
+    """A loop that copies a new stage into the same shared words, waits and reads them
+    reads each round's words: the shared load is never moved above the wait. (As an
+    inline asm without memory effects it once was, out of the loop altogether, where its
+    address did not change: the sixty-sixth session's bound kernel.)"""
+    rounds, load, wait_all = 3, ptx.load_shared[count], ptx.wait_copies[0]
+
+    @ptx.kernel
+    def run(source, seen, rounds):  # a round count unknown when compiled: a loop, not unrolled
+        i = cuda.threadIdx.x
+        tile = cuda.shared.array(128, uint32)
+        for r in range(rounds):  # each thread reads the words it copied: no barrier needed
+            ptx.copy_async(tile, 4 * i, source, r * 128, 4 * i, 16)
+            ptx.commit_copies()
+            wait_all()
+            words = load(tile, 4 * i)
+            seen[r, i] = words if count == 1 else words[count - 1]
+
+    source = np.arange(rounds * 128, dtype=np.int32) + 1
+    seen = np.zeros((rounds, 32), np.uint32)
+    run[1, 32](source, seen, rounds)
+    np.testing.assert_array_equal(seen, source.reshape(rounds, 32, 4)[:, :, count - 1])
+
+
+def test_named_barriers_hand_a_buffer_between_producer_and_consumer_warps():
+    """Warp 1 fills a shared buffer and arrives on barrier 1 (bar.arrive), warp 0 waits
+    on it (bar.sync), reads, and hands the buffer back on barrier 2: every round's words
+    reach the consumer, and no fill overwrites a round the consumer has not read."""
+    rounds = 5
+    filled, read = ptx.barrier_arrive(1, 64), ptx.barrier_sync(1, 64)
+    released, wait_released = ptx.barrier_arrive(2, 64), ptx.barrier_sync(2, 64)
+
+    @ptx.kernel
+    def run(seen):
+        i = cuda.threadIdx.x
+        buffer = cuda.shared.array(32, uint32)
+        for r in range(rounds):
+            if i >= 32:  # the producer warp
+                if r > 0:
+                    wait_released()
+                buffer[i - 32] = uint32(100 * r + i - 32)
+                filled()
+            else:
+                read()
+                seen[r, i] = buffer[(i + 1) % 32]  # another lane's word: the barrier orders them
+                if r + 1 < rounds:
+                    released()
+
+    seen = np.zeros((rounds, 32), np.uint32)
+    run[1, 64](seen)
+    np.testing.assert_array_equal(seen, 100 * np.arange(rounds)[:, None] + (np.arange(32) + 1) % 32)
+
+
+def test_named_barriers_take_whole_warps_of_one_of_fifteen_barriers():
+    for barrier, threads in ((0, 64), (16, 64), (1, 48), (1, 0), (2, 2048)):
+        with pytest.raises(ValueError, match="named barrier"):
+            ptx.barrier_sync(barrier, threads)
+        with pytest.raises(ValueError, match="named barrier"):
+            ptx.barrier_arrive(barrier, threads)
+
+
+def test_store_shared4_writes_four_words_in_place():
+    @ptx.kernel
+    def run(words, seen):
+        i = cuda.threadIdx.x
+        tile = cuda.shared.array(128, uint32)
+        ptx.store_shared4(tile, 4 * ((i + 3) % 32), words[i, 0], words[i, 1], words[i, 2], words[i, 3])
+        cuda.syncthreads()
+        for w in range(4):
+            seen[i, w] = tile[4 * i + w]
+
+    rng = np.random.default_rng(5)
+    words = rng.integers(0, 2**32, (32, 4), dtype=np.uint64).astype(np.uint32)
+    seen = np.zeros((32, 4), np.uint32)
+    run[1, 32](words.view(np.int32), seen)
+    np.testing.assert_array_equal(seen, words[(np.arange(32) - 3) % 32])
+
+
 def test_ldmatrix_gives_the_mma_a_fragments_of_a_padded_shared_tile():
     @ptx.kernel
     def run(a_words, frags):
