@@ -585,8 +585,11 @@ load_shared = {n: twins.load_words(n) if SIMULATED else _gpu_word_load(n, "share
 # load_coherent(array, offset): the 32-bit word at flat element `offset` of a 32-bit array,
 # cached in L2 only: words another CTA of the same launch wrote (published by `arrive`:
 # `epilogue`), or an earlier kernel wrote and this one reads before `wait_for_previous`
-# (`gemm`'s alignment), are read as written, never from a stale L1 line.
-load_coherent = twins.load_bits if SIMULATED else _gpu_read("ld.global.cg.u32 $0, [$1];", 1, _element_pointer)
+# (`gemm`'s alignment), are read as written, never from a stale L1 line. Ordered, as
+# `load_shared`: never moved above the arrival that tells a CTA the words are there (the
+# decode tiles' machine code is the same, sixty-sixth session).
+load_coherent = twins.load_bits if SIMULATED else _gpu_read("ld.global.cg.u32 $0, [$1];", 1, _element_pointer,
+                                                         ordered=True)
 # arrive(counters, i): adds 1 to flat element `i` of a 32-bit counter array and returns the
 # old value, as a release and an acquire at GPU scope. After a `syncthreads`, one thread's
 # arrive publishes the stores of its whole CTA (the barrier orders them before it), and
