@@ -130,6 +130,22 @@ def test_replay_stress_says_where_outputs_differ_and_changes_the_oracles_tiles(m
         sys.modules.pop("replay_stress", None)
 
 
+def test_specialized_bound_variants_name_tiles_stages_and_what_they_leave_out(monkeypatch):
+    import argparse
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    try:
+        bound = importlib.import_module("specialized_bound")
+        assert bound.variant("4:3") == (4, 3, "") and bound.variant("2:5:act") == (2, 5, "act")
+        for text in ("4", "4:3:epilogue", "4:3:act:x"):
+            with pytest.raises(argparse.ArgumentTypeError, match="tiles:stages"):
+                bound.variant(text)
+        with pytest.raises(ValueError, match="leave_out"):
+            bound.make_bound_kernel(64, 3, 4096, 2, "epilogue")
+    finally:
+        sys.modules.pop("specialized_bound", None)
+
+
 def test_specialized_bound_computes_the_grouped_product_it_times(monkeypatch):
     """The warp-specialised bound (producer warps decoding into a ring, a consumer
     warpgroup's wgmma, named barriers) gives act @ dequantised weights: under the
