@@ -404,22 +404,34 @@ def store_words(shared, offset, w0, w1, w2, w3):
 class NamedBarrier:
     """One of a simulated block's 16 hardware barriers: `threads` arrivals complete a
     phase; an arriving thread waits for its phase to complete (bar.sync) or goes on
-    (bar.arrive)."""
+    (bar.arrive). Every arrival of a phase must name the same count, as the hardware
+    requires (it leaves a mismatch undefined; here it raises)."""
 
     def __init__(self):
-        self.arrived, self.generation = 0, 0
+        self.arrived, self.generation, self.threads = 0, 0, None
+        self.error = None  # a mismatch, raised in every thread that waits on the phase
         self.done = threading.Condition()
 
     def arrive(self, threads: int, wait: bool):
         with self.done:
-            generation = self.generation
+            if self.arrived and threads != self.threads:
+                self.error = RuntimeError(f"a named barrier's arrivals name {self.threads} and {threads} threads "
+                                          f"in one phase")
+                self.done.notify_all()
+            if self.error is not None:
+                raise self.error
+            generation, self.threads = self.generation, threads
             self.arrived += 1
             if self.arrived == threads:
                 self.arrived, self.generation = 0, generation + 1
                 self.done.notify_all()
-            elif wait and not self.done.wait_for(lambda: self.generation != generation, Group.TIMEOUT_SECONDS):
-                raise RuntimeError(f"a named barrier's phase never completed: {threads - self.arrived} of "
-                                   f"{threads} threads never arrived")
+            elif wait:
+                if not self.done.wait_for(lambda: self.generation != generation or self.error is not None,
+                                          Group.TIMEOUT_SECONDS):
+                    raise RuntimeError(f"a named barrier's phase never completed: {threads - self.arrived} of "
+                                       f"{threads} threads never arrived")
+                if self.error is not None:
+                    raise self.error
 
 
 def named_barrier(barrier: int, threads: int, wait: bool):

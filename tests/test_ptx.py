@@ -329,6 +329,21 @@ def test_named_barriers_hand_a_buffer_between_producer_and_consumer_warps():
     np.testing.assert_array_equal(seen, 100 * np.arange(rounds)[:, None] + (np.arange(32) + 1) % 32)
 
 
+@pytest.mark.skipif(not ptx.SIMULATED, reason="the twin's check (on the GPU a mismatch is undefined)")
+def test_named_barrier_twin_rejects_arrivals_that_name_different_counts():
+    arrive_64, sync_96 = ptx.barrier_arrive(3, 64), ptx.barrier_sync(3, 96)
+
+    @ptx.kernel
+    def run():
+        if cuda.threadIdx.x < 32:
+            arrive_64()
+        else:
+            sync_96()
+
+    with pytest.raises(RuntimeError, match="name 64 and 96 threads"):
+        run[1, 64]()
+
+
 def test_named_barriers_take_whole_warps_of_one_of_fifteen_barriers():
     for barrier, threads in ((0, 64), (16, 64), (1, 48), (1, 0), (2, 2048)):
         with pytest.raises(ValueError, match="named barrier"):
