@@ -150,20 +150,29 @@ class Group:
             return self.result  # the next instruction cannot complete before this member arrives
 
 
-_groups_lock = threading.Lock()
+_block_state_lock = threading.Lock()
+
+
+def _block_state(key: str, make):
+    """The calling simulated thread's block's state under `key` (the simulator's
+    BlockManager holds it), made by `make()` on first use."""
+    manager = threading.current_thread()._manager
+    state = manager.__dict__.get(key)
+    if state is None:  # the lock only to create: taken per call, its unfairness convoys
+        with _block_state_lock:
+            state = manager.__dict__.setdefault(key, make())
+    return state
 
 
 def _group(size: int) -> tuple[int, Group]:
     """(index in its group, the group) of the calling simulated thread, for groups of `size`
     consecutive threads of its block (a warp, a warpgroup)."""
-    thread = threading.current_thread()
-    manager = thread._manager  # the simulator's BlockManager of this block
-    number, index = divmod(thread.thread_id, size)
-    key = f"_numba_moe_groups_of_{size}"
-    group = manager.__dict__.get(key, {}).get(number)
-    if group is None:  # the lock only to create: taken per call, its unfairness convoys
-        with _groups_lock:
-            group = manager.__dict__.setdefault(key, {}).setdefault(number, Group(size))
+    number, index = divmod(threading.current_thread().thread_id, size)
+    groups = _block_state(f"_numba_moe_groups_of_{size}", dict)
+    group = groups.get(number)
+    if group is None:
+        with _block_state_lock:
+            group = groups.setdefault(number, Group(size))
     return index, group
 
 
@@ -439,12 +448,7 @@ def named_barrier(barrier: int, threads: int, wait: bool):
     block, a phase `threads` arrivals long."""
 
     def arrive():
-        manager = threading.current_thread()._manager
-        barriers = manager.__dict__.get("_numba_moe_barriers")
-        if barriers is None:
-            with _groups_lock:
-                barriers = manager.__dict__.setdefault("_numba_moe_barriers", [NamedBarrier() for _ in range(16)])
-        barriers[barrier].arrive(threads, wait)
+        _block_state("_numba_moe_barriers", lambda: [NamedBarrier() for _ in range(16)])[barrier].arrive(threads, wait)
 
     return arrive
 
