@@ -19,7 +19,12 @@ skeleton and times it beside the layer's own two GEMMs (sixty-sixth session):
 * warps 0 to 3, the *consumer* warpgroup, multiply each decoded stage by its
   activations (wgmma, both operands in shared memory) and hand the stage back;
 * the two sides meet on named barriers (`ptx.barrier_sync`, `ptx.barrier_arrive`), a
-  pair per stage, never on a barrier of the whole CTA.
+  pair per stage, never on a barrier of the whole CTA;
+* or, in a `bulk` variant (sixty-seventh session), one producer thread copies a stage's
+  activations in one bulk copy (`ptx.bulk_copy`, from activations stored stage by stage
+  in the order the stage holds them) counted on an mbarrier the consumers wait for: no
+  copy instructions or addresses in every producer thread, and the decode never waits
+  for the activations to land.
 
 Its layout is its own (a stage's codes contiguous, the activations as `slots` rows per
 expert): an upper bound on what the design gains, not a kernel the layer runs. Every
@@ -46,6 +51,7 @@ STEP_K = 64  # K a pipeline stage: four k16 wgmma for each m64 tile
 GROUP = 128  # K a scale
 TILE_WORDS = 512  # a decoded 64 x 16 tile of weights (one wgmma's A)
 LEFT_OUT = ("", "decode", "fence", "mma", "act")  # what a timing-only variant leaves out ("act": activation copies)
+BULK = "bulk"  # a variant's word for the activations' bulk copies
 CORE_LBO, CORE_SBO = 128, 256  # bytes: the next 8 of K, the next 8 rows (features or slots)
 MAGIC, ONE, MINUS_136, MINUS_ZERO = 0x43004300, 0x3F803F80, 0xC308C308, 0x80008000  # bfloat16 pairs
 
@@ -56,12 +62,19 @@ def stage_words(slots: int, tiles: int) -> int:
     return 4 * tiles * TILE_WORDS + 4 * slots * 8 + 64 * tiles * STEP_K // 8
 
 
+def shared_words(slots: int, stages: int, tiles: int) -> int:
+    """Words of a CTA's dynamic shared memory: the ring, then a stage's mbarrier each
+    (two words; used by bulk variants only)."""
+    return stages * stage_words(slots, tiles) + 2 * stages
+
+
 @functools.cache
-def make_bound_kernel(slots: int, stages: int, k: int, tiles: int, leave_out: str = ""):
+def make_bound_kernel(slots: int, stages: int, k: int, tiles: int, leave_out: str = "", bulk: bool = False):
     """kernel(act, codes, scales, out) for `slots` slots an expert, `tiles` m64 tiles of
-    features a CTA and a `stages`-deep ring (arrays as `bound_inputs` makes them); grid
-    (features / 64 tiles, experts), 128 + 64 tiles threads (a producer a feature),
-    `4 * stages * stage_words(slots, tiles)` bytes of dynamic shared memory. `leave_out`
+    features a CTA and a `stages`-deep ring (arrays as `bound_inputs` makes them, the
+    activations as `stage_blocks` stores them if `bulk`); grid (features / 64 tiles,
+    experts), 128 + 64 tiles threads (a producer a feature),
+    `4 * shared_words(slots, stages, tiles)` bytes of dynamic shared memory. `leave_out`
     one of LEFT_OUT, timing only (wrong results): what the skeleton costs without it."""
     if k % GROUP or not 2 <= stages <= 7 or slots not in ptx.WARPGROUP_COLUMNS or leave_out not in LEFT_OUT:
         raise ValueError(f"k must be a multiple of {GROUP}, stages in [2, 7] and slots a multiple of 8 up to 256, "
@@ -75,16 +88,23 @@ def make_bound_kernel(slots: int, stages: int, k: int, tiles: int, leave_out: st
     fma2, decode_ready = ptx.fma2("bfloat16"), ptx.wait_copies[stages - 2]
     load_scale, load_codes = ptx.load_words[1], ptx.load_shared[4]
     decode, fence, multiply_tiles, copy_act = (leave_out != part for part in LEFT_OUT[1:])
+    barriers = stages * ring  # the word of stage b's mbarrier: barriers + 2b
     wait_older_mma, wait_all_mma = ptx.warpgroup_wait[1], ptx.warpgroup_wait[0]
 
     @ptx.device
     def issue_copies(act, codes, step, buffer, expert, ftile, p, shared):
         """Producer thread p's copies of `step` into `buffer` (none past the last step),
         then one commit group: 16 bytes of activations (8 of K of a slot) a copy, and the
-        thread's own 8 code words."""
+        thread's own 8 code words. Bulk: thread 0 copies all of the step's activations
+        instead, counted on the buffer's mbarrier."""
         if step < uint32(steps):
             base = uint32(buffer) * uint32(ring)
-            for q in range(chunks):
+            if bulk and copy_act and p == uint32(0):
+                barrier = uint32(barriers) + uint32(2) * buffer
+                ptx.mbarrier_expect_bytes(shared, barrier, 4 * b_words)
+                ptx.bulk_copy(shared, base + uint32(a_words), act, (expert * uint32(steps) + step) * uint32(b_words),
+                              4 * b_words, barrier)
+            for q in range(0 if bulk else chunks):
                 c = p + uint32(features * q)
                 if copy_act and c < uint32(slots * 8):
                     slot, rest = c // uint32(8), c % uint32(8)
@@ -176,6 +196,8 @@ def make_bound_kernel(slots: int, stages: int, k: int, tiles: int, leave_out: st
             i = first + uint32(b)
             if i < uint32(steps):
                 ready()
+                if bulk and copy_act:  # the stage's activations have landed: round i // stages's phase
+                    ptx.mbarrier_wait(shared, uint32(barriers + 2 * b), (i // uint32(stages)) % uint32(2))
                 ptx.warpgroup_fence()
                 if multiply_tiles:
                     multiply_stage(shared, uint32(b * ring), acc)
@@ -215,6 +237,11 @@ def make_bound_kernel(slots: int, stages: int, k: int, tiles: int, leave_out: st
     def bound(act, codes, scales, out):
         shared = cuda.shared.array(0, uint32)
         tid, ftile, expert = uint32(cuda.threadIdx.x), uint32(cuda.blockIdx.x), uint32(cuda.blockIdx.y)
+        if bulk:
+            if tid == uint32(0):
+                for b in range(stages):
+                    ptx.mbarrier_init(shared, uint32(barriers + 2 * b), 1)
+            cuda.syncthreads()
         if tid >= uint32(128):
             p = tid - uint32(128)
             for s in range(stages):
@@ -258,32 +285,45 @@ def bound_inputs(experts: int, features: int, k: int, slots: int, tiles: int, ge
     return act.view(torch.int32), codes.contiguous(), (bits | bits << 16).contiguous(), weights
 
 
-def run_bound(act, codes, scales, out, slots: int, stages: int, tiles: int, leave_out: str = ""):
-    """Launch the bound kernel on torch's stream."""
-    experts, features, k = out.shape[0], out.shape[2], act.shape[2] * 2
-    kernel = make_bound_kernel(slots, stages, k, tiles, leave_out)
+def stage_blocks(act: torch.Tensor) -> torch.Tensor:
+    """Activations (experts, slots, k / 2) words -> (experts, k / 64, stage's words): each
+    stage's words in the order its B tiles hold them (k16 step, 8 slots, 8 of K, slot,
+    8 halves), so that one bulk copy fills a stage."""
+    experts, slots, k = act.shape[0], act.shape[1], 2 * act.shape[2]
+    halves = act.view(torch.bfloat16).view(experts, slots // 8, 8, k // STEP_K, 4, 2, 8)
+    return halves.permute(0, 3, 4, 1, 5, 2, 6).contiguous().view(torch.int32).view(experts, k // STEP_K, -1)
+
+
+def run_bound(act, codes, scales, out, slots: int, stages: int, tiles: int, leave_out: str = "", bulk: bool = False):
+    """Launch the bound kernel on torch's stream (`act` as `stage_blocks` stores it if `bulk`)."""
+    experts, features, k = out.shape[0], out.shape[2], codes.shape[2] * STEP_K
+    kernel = make_bound_kernel(slots, stages, k, tiles, leave_out, bulk)
     launch_kernel(kernel, (features // (64 * tiles), experts), 128 + 64 * tiles, *(interop.to_kernel(t) for t in (
-        act, codes, scales, out)), shared_bytes=4 * stages * stage_words(slots, tiles))
+        act, codes, scales, out)), shared_bytes=4 * shared_words(slots, stages, tiles))
 
 
 def bound_error(experts: int, features: int, k: int, slots: int, stages: int, tiles: int,
-                generator: torch.Generator) -> float:
+                generator: torch.Generator, bulk: bool = False) -> float:
     """Largest error of the bound kernel's output against float64 torch, relative to the
     output's largest magnitude."""
     act, codes, scales, weights = bound_inputs(experts, features, k, slots, tiles, generator)
     out = torch.zeros(experts, slots, features, dtype=torch.float32, device=act.device)
-    run_bound(act, codes, scales, out, slots, stages, tiles)
+    run_bound(stage_blocks(act) if bulk else act, codes, scales, out, slots, stages, tiles, bulk=bulk)
     reference = act.view(torch.bfloat16).double() @ weights.to(torch.bfloat16).double().transpose(1, 2)
     return float((out.double() - reference).abs().max() / reference.abs().max())
 
 
-def variant(text: str) -> tuple[int, int, str]:
-    """'tiles:stages' or 'tiles:stages:left-out part' -> (tiles, stages, part)."""
+def variant(text: str) -> tuple[int, int, str, bool]:
+    """'tiles:stages', then ':bulk' and at most one ':left-out part', in any order ->
+    (tiles, stages, part, bulk)."""
     parts = text.split(":")
-    if len(parts) not in (2, 3) or (parts[2:] or [""])[0] not in LEFT_OUT:
-        raise argparse.ArgumentTypeError(f"expected tiles:stages or tiles:stages:part with part one of "
+    words = parts[2:]
+    left_out = [word for word in words if word != BULK]
+    if (len(parts) < 2 or not all(part.isdigit() for part in parts[:2]) or len(left_out) > 1
+            or words.count(BULK) > 1 or not set(left_out) <= set(LEFT_OUT[1:])):
+        raise argparse.ArgumentTypeError(f"expected tiles:stages, then :{BULK} and at most one part of "
                                          f"{LEFT_OUT[1:]}, got {text!r}")
-    return int(parts[0]), int(parts[1]), (parts[2:] or [""])[0]
+    return int(parts[0]), int(parts[1]), (left_out or [""])[0], BULK in words
 
 
 def main(argv=None) -> None:
@@ -291,10 +331,10 @@ def main(argv=None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--slots", type=int, default=64, help="slots an expert (wgmma N)")
-    parser.add_argument("--variants", type=variant, nargs="+", default=[(2, 3, ""), (4, 3, "")],
-                        help="tiles:stages to time (m64 tiles of features a CTA, ring depth), or "
-                             "tiles:stages:part for the skeleton without `part` (decode, fence, mma or act, the activations' copies: "
-                             "timing only)")
+    parser.add_argument("--variants", type=variant, nargs="+", default=[(2, 3, "", False), (2, 3, "", True)],
+                        help="tiles:stages to time (m64 tiles of features a CTA, ring depth), then :bulk for the "
+                             "activations' bulk copies, and :part for the skeleton without `part` (decode, fence, "
+                             "mma or act, the activations' copies: timing only)")
     parser.add_argument("--tokens", type=int, default=256, help="Mixtral tokens for the layer's own GEMMs")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -303,9 +343,10 @@ def main(argv=None) -> None:
     timer, generator = Timer(), torch.Generator(device="cuda").manual_seed(0)
     rate = matmul_rate(timer)
     print(f"{torch.cuda.get_device_name()}; bf16 matmul {rate / 1e12:.0f} TFLOP/s")
-    for tiles, stages in sorted({(tiles, stages) for tiles, stages, _ in args.variants}):
-        error = bound_error(2, 512, 512, args.slots, stages, tiles, generator)
-        print(f"check, {tiles} tiles, {stages} stages: largest error {error:.1e} of the largest output")
+    for tiles, stages, bulk in sorted({(tiles, stages, bulk) for tiles, stages, _, bulk in args.variants}):
+        error = bound_error(2, 512, 512, args.slots, stages, tiles, generator, bulk)
+        print(f"check, {tiles} tiles, {stages} stages{', bulk' if bulk else ''}: largest error {error:.1e} of the "
+              f"largest output")
     _, _, _, layer, hidden, topk_weights, topk_ids = next(routed_batches(["mixtral"], ["w4a16-g128"], [args.tokens],
                                                                         generator))
     gemms = layer_gemms(layer, hidden, topk_weights, topk_ids)[:2]
@@ -316,12 +357,13 @@ def main(argv=None) -> None:
         flops = 2 * config.num_experts * args.slots * features * k
         print(f"{name} (N {features}, K {k}): the layer's own {own * 1e3:.1f} us at M = {args.tokens} "
               f"({2 * args.tokens * config.top_k * features * k / (own * 1e-3) / rate:.2f} of the matmul rate)")
-        for tiles, stages, leave_out in args.variants:
+        for tiles, stages, leave_out, bulk in args.variants:
             act, codes, scales, _ = bound_inputs(config.num_experts, features, k, args.slots, tiles, generator)
+            act = stage_blocks(act) if bulk else act
             out = torch.empty(config.num_experts, args.slots, features, dtype=torch.float32, device="cuda")
             ms = timer(captured(functools.partial(run_bound, act, codes, scales, out, args.slots, stages, tiles,
-                                                  leave_out)))
-            without = f", without {leave_out}" if leave_out else ""
+                                                  leave_out, bulk)))
+            without = (", bulk" if bulk else "") + (f", without {leave_out}" if leave_out else "")
             print(f"  bound, {config.num_experts} x {args.slots} slots, {tiles} tiles, {stages} stages{without}: "
                   f"{ms * 1e3:.1f} us ({flops / (ms * 1e-3) / rate:.2f} of the matmul rate)", flush=True)
             del act, codes, scales, out

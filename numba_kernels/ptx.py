@@ -42,6 +42,14 @@ j, lbo, sbo, acc, j)``
 ``barrier_sync(b, n)()``  bar.sync b, n                    producer and consumer
 ``barrier_arrive(b, n)()`` bar.arrive b, n                  warps handing buffers over
 ``warpgroup_fence()``    wgmma.fence                         before a group's first mma
+``mbarrier_init(s, i,    mbarrier.init.shared::cta.b64       a transaction barrier of
+count)``                                                     `count` arrivals a phase
+``mbarrier_expect_bytes  mbarrier.arrive.expect_tx           arrive; the phase also
+(s, i, bytes)``                                              waits for `bytes` of copies
+``bulk_copy(s, i, a, j,  cp.async.bulk.shared::cluster       one copy of many bytes,
+bytes, m)``              .global.mbarrier::complete_tx       counted on barrier m
+``mbarrier_wait(s, i,    mbarrier.try_wait.parity, in a      until the phase of that
+parity)``                loop                                parity has completed
 ``warpgroup_commit()``   wgmma.commit_group                  close a group of mma
 ``warpgroup_wait[n]()``  wgmma.wait_group n                  all but the newest n groups
 =======================  ==================================  ==========================
@@ -63,7 +71,16 @@ Shared-memory addresses are flat word offsets into a ``uint32`` shared array (th
 helpers address it in the shared window, see `_shared_pointer`). The asynchronous copies
 follow the hardware's rules, and so do their twins: a copy lands only when a
 ``wait_copies`` lets its committed group complete, so a kernel that reads a stage too
-early reads stale words under the simulator too. ``ldmatrix4`` is warp-collective: lane
+early reads stale words under the simulator too. An *mbarrier* is a 64-bit word of
+shared memory (at an even word offset) that counts a phase's arrivals and the bytes of
+the bulk copies that complete on it: ``mbarrier_init`` sets the arrivals a phase (one
+thread inits, then a ``syncthreads`` before any thread uses it), ``mbarrier_expect_bytes``
+arrives and adds the bytes the phase waits for, and ``bulk_copy`` counts its bytes
+(a multiple of 16, both addresses 16-byte aligned) off when they land. A phase
+completes when both counts reach zero; ``mbarrier_wait(parity)`` returns once the phase
+of that parity (the phase number mod 2) has completed. The twin lands a phase's copies
+when the phase completes, so a thread that reads before its wait reads stale words.
+``ldmatrix4`` is warp-collective: lane
 ``l`` names row ``l % 8`` of matrix ``l // 8`` (four words of 16 bytes); register ``j``
 of lane ``l`` receives word ``l % 4`` of row ``l // 4`` of matrix ``j`` -- for an A tile
 whose lanes 0-15 name rows 0-15 at column word c and lanes 16-31 the same rows at c + 4,
@@ -527,6 +544,62 @@ def _gpu_warpgroup(half: str, n: int, a_in_shared: bool):
     return warpgroup_mma
 
 
+def _gpu_mbarriers():
+    """mbarrier_init, mbarrier_expect_bytes, mbarrier_wait and bulk_copy as intrinsics
+    (module docstring)."""
+    from llvmlite import ir
+    from numba.cuda.extending import intrinsic
+
+    def barrier_statement(asm: str, check):
+        """An intrinsic (shared, i, value) emitting `asm` on the shared address of word i
+        ($0) and the 32-bit value ($1)."""
+
+        @intrinsic
+        def statement(typingctx, shared, offset, value):
+            _check_flat(shared, offset)
+            check(value)
+
+            def codegen(context, builder, sig, args):
+                barrier = _shared_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+                value = context.cast(builder, args[2], sig.args[2], types.uint32)
+                _statement(asm, (barrier.type, ir.IntType(32)), "l,r")(builder, (barrier, value))
+                return context.get_dummy_value()
+
+            return types.void(shared, offset, value), codegen
+
+        return statement
+
+    def integer(value):
+        if not isinstance(value, types.Integer):
+            raise TypeError(f"an mbarrier's count, bytes or parity is an integer, got {value}")
+
+    init = barrier_statement("mbarrier.init.shared::cta.b64 [$0], $1;", integer)
+    expect = barrier_statement("mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", integer)
+    # try_wait suspends the thread for a while if the phase is not complete; the loop
+    # tries again until it is (the label is local to the braces' scope).
+    wait = barrier_statement("{ .reg .pred complete; waiting: mbarrier.try_wait.parity.shared::cta.b64 complete, "
+                             "[$0], $1; @!complete bra waiting; }", integer)
+
+    @intrinsic
+    def bulk_copy(typingctx, shared, shared_offset, source, source_offset, size, barrier_offset):
+        _check_flat(shared, shared_offset, barrier_offset)
+        _check_flat(source, source_offset, size)
+
+        def codegen(context, builder, sig, args):
+            target = _shared_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            origin = _element_pointer(context, builder, sig.args[2], args[2], sig.args[3], args[3])
+            barrier = _shared_pointer(context, builder, sig.args[0], args[0], sig.args[5], args[5])
+            size = context.cast(builder, args[4], sig.args[4], types.uint32)
+            _statement("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], $2, [$3];",
+                       (target.type, origin.type, ir.IntType(32), barrier.type), "l,l,r,l")(
+                builder, (target, origin, size, barrier))
+            return context.get_dummy_value()
+
+        return types.void(shared, shared_offset, source, source_offset, size, barrier_offset), codegen
+
+    return init, expect, wait, bulk_copy
+
+
 @functools.cache
 def hopper() -> bool:
     """Whether the GPU has the sm_90 instructions of programmatic dependent launch (kernels
@@ -621,6 +694,11 @@ warpgroup_wait = {n: twins.warpgroup_wait(n) if SIMULATED else _gpu_statement(f"
 # visible to the tensor cores' reads of a later warpgroup mma (after a barrier for other
 # threads' stores).
 async_proxy_fence = twins.no_op if SIMULATED else _gpu_statement("fence.proxy.async.shared::cta;")
+# mbarrier_init(shared, i, count), mbarrier_expect_bytes(shared, i, bytes),
+# mbarrier_wait(shared, i, parity) on the mbarrier at word i of a uint32 shared array, and
+# bulk_copy(shared, i, source, j, bytes, m): `bytes` from flat element j of a global array
+# to shared word i in one copy, counted on the mbarrier at word m (module docstring).
+mbarrier_init, mbarrier_expect_bytes, mbarrier_wait, bulk_copy = twins.mbarriers() if SIMULATED else _gpu_mbarriers()
 # store_shared4(shared, i, w0, w1, w2, w3): four words to a uint32 shared array at flat
 # word i (16-byte aligned) in one store: a thread's decoded row of a core matrix.
 store_shared4 = twins.store_words if SIMULATED else _gpu_shared_store4()

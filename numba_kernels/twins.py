@@ -453,6 +453,81 @@ def named_barrier(barrier: int, threads: int, wait: bool):
     return arrive
 
 
+class MBarrier:
+    """An mbarrier of a simulated block: a phase completes when its `count` arrivals have
+    come and the bytes they expect have been copied; the copies land at that moment, so
+    a thread that reads before its wait reads the old words."""
+
+    def __init__(self, count: int):
+        self.count, self.pending, self.expected, self.phase = count, count, 0, 0
+        self.copies = []  # (flat shared words, word offset, words): this phase's, not landed
+        self.done = threading.Condition()
+
+    def _complete_if_due(self):
+        if self.pending == 0 and self.expected == sum(4 * len(words) for _, _, words in self.copies):
+            for flat, offset, words in self.copies:
+                flat[offset:offset + len(words)] = words
+            self.copies, self.expected, self.pending = [], 0, self.count
+            self.phase += 1
+            self.done.notify_all()
+
+    def expect(self, size: int):
+        with self.done:
+            if self.pending == 0:
+                raise RuntimeError(f"an mbarrier's phase has {self.count} arrivals, got one more")
+            self.expected += size
+            self.pending -= 1
+            self._complete_if_due()
+
+    def copy(self, flat, offset: int, words: np.ndarray):
+        with self.done:
+            self.copies.append((flat, offset, words))
+            self._complete_if_due()
+
+    def wait(self, parity: int):
+        with self.done:
+            if not self.done.wait_for(lambda: self.phase % 2 != parity, Group.TIMEOUT_SECONDS):
+                raise RuntimeError(f"an mbarrier's phase never completed: {self.pending} of {self.count} arrivals "
+                                   f"and {self.expected} expected bytes missing")
+
+
+def mbarriers():
+    """mbarrier_init, mbarrier_expect_bytes, mbarrier_wait and bulk_copy (`ptx`'s module
+    docstring): a block's mbarriers are kept by the address of their shared word."""
+
+    def barrier(shared, offset, create_with=None):
+        if int(offset) % 2:
+            raise ValueError(f"an mbarrier is 8 bytes at an even word offset, got word {offset}")
+        key = shared.__array_interface__["data"][0] + 4 * int(offset)
+        barriers = _block_state("_numba_moe_mbarriers", dict)
+        if create_with is not None:
+            with _block_state_lock:
+                barriers[key] = MBarrier(create_with)
+        elif key not in barriers:
+            raise RuntimeError(f"mbarrier at word {offset} used before mbarrier_init")
+        return barriers[key]
+
+    def mbarrier_init(shared, offset, count):
+        barrier(shared, offset, int(count))
+
+    def mbarrier_expect_bytes(shared, offset, size):
+        barrier(shared, offset).expect(int(size))
+
+    def mbarrier_wait(shared, offset, parity):
+        barrier(shared, offset).wait(int(parity) % 2)
+
+    def bulk_copy(shared, shared_offset, source, source_offset, size, barrier_offset):
+        flat = source.reshape(-1)
+        first, size = int(source_offset) * flat.dtype.itemsize, int(size)
+        if size <= 0 or size % 16 or (4 * int(shared_offset)) % 16 or first % 16:
+            raise ValueError(f"bulk_copy copies a positive multiple of 16 bytes between 16-byte aligned addresses, "
+                             f"got {size} bytes from byte {first} to shared word {shared_offset}")
+        words = np.ascontiguousarray(flat.view(np.uint8)[first:first + size]).view(np.uint32).copy()
+        barrier(shared, barrier_offset).copy(shared.reshape(-1), int(shared_offset), words)
+
+    return mbarrier_init, mbarrier_expect_bytes, mbarrier_wait, bulk_copy
+
+
 def f32_bits(x):
     return np.float32(x).view(np.uint32)
 

@@ -136,8 +136,9 @@ def test_specialized_bound_variants_name_tiles_stages_and_what_they_leave_out(mo
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     try:
         bound = importlib.import_module("specialized_bound")
-        assert bound.variant("4:3") == (4, 3, "") and bound.variant("2:5:act") == (2, 5, "act")
-        for text in ("4", "4:3:epilogue", "4:3:act:x"):
+        assert bound.variant("4:3") == (4, 3, "", False) and bound.variant("2:5:act") == (2, 5, "act", False)
+        assert bound.variant("2:3:bulk") == (2, 3, "", True) and bound.variant("2:3:mma:bulk") == (2, 3, "mma", True)
+        for text in ("4", "4:3:epilogue", "4:3:act:x", "4:3:act:decode", "4:3:bulk:bulk", "a:3"):
             with pytest.raises(argparse.ArgumentTypeError, match="tiles:stages"):
                 bound.variant(text)
         with pytest.raises(ValueError, match="leave_out"):
@@ -146,16 +147,17 @@ def test_specialized_bound_variants_name_tiles_stages_and_what_they_leave_out(mo
         sys.modules.pop("specialized_bound", None)
 
 
-def test_specialized_bound_computes_the_grouped_product_it_times(monkeypatch):
+@pytest.mark.parametrize("bulk", [False, True])
+def test_specialized_bound_computes_the_grouped_product_it_times(bulk, monkeypatch):
     """The warp-specialised bound (producer warps decoding into a ring, a consumer
-    warpgroup's wgmma, named barriers) gives act @ dequantised weights: under the
-    simulator at a shape of four CTAs (two experts, two feature tiles) whose 4 stages go
-    round a 2-stage ring twice (on the GPU the script checks itself at a larger one
-    before it times)."""
+    warpgroup's wgmma, named barriers; the activations copied by every producer or in
+    one bulk copy a stage) gives act @ dequantised weights: under the simulator at a
+    shape of four CTAs (two experts, two feature tiles) whose 4 stages go round a 2-stage
+    ring twice (on the GPU the script checks itself at a larger one before it times)."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     try:
         bound = importlib.import_module("specialized_bound")
         generator = torch.Generator(device="cuda" if torch.cuda.is_available() else "cpu").manual_seed(0)
-        assert bound.bound_error(2, 256, 256, 8, 2, 2, generator) < 1e-5
+        assert bound.bound_error(2, 256, 256, 8, 2, 2, generator, bulk) < 1e-5
     finally:
         sys.modules.pop("specialized_bound", None)

@@ -352,6 +352,53 @@ def test_named_barriers_take_whole_warps_of_one_of_fifteen_barriers():
             ptx.barrier_arrive(barrier, threads)
 
 
+def test_bulk_copies_land_by_the_mbarrier_phase_their_waiters_wait_for():
+    """One thread copies each round's words (a bulk copy of 512 bytes, counted on an
+    mbarrier of one arrival a phase) into one shared buffer; every thread waits for the
+    round's phase (parity round % 2) and reads another thread's word: each round's words,
+    none early, none from the round before."""
+    rounds = 5
+
+    @ptx.kernel
+    def run(source, seen):
+        i = cuda.threadIdx.x
+        shared = cuda.shared.array(130, uint32)  # 128 words of buffer, then the mbarrier
+        if i == 0:
+            ptx.mbarrier_init(shared, 128, 1)
+        cuda.syncthreads()
+        for r in range(rounds):
+            if i == 0:
+                ptx.mbarrier_expect_bytes(shared, 128, 512)
+                ptx.bulk_copy(shared, 0, source, 128 * r, 512, 128)
+            ptx.mbarrier_wait(shared, 128, r % 2)
+            seen[r, i] = shared[(4 * i + 5) % 128]
+            cuda.syncthreads()  # every thread has read the round before the next copy
+
+    source = np.arange(rounds * 128, dtype=np.int32) + 1
+    seen = np.zeros((rounds, 32), np.uint32)
+    run[1, 32](source, seen)
+    np.testing.assert_array_equal(seen, source.reshape(rounds, 128)[:, (4 * np.arange(32) + 5) % 128])
+
+
+@pytest.mark.skipif(not ptx.SIMULATED, reason="the twin's checks (on the GPU these fault or hang)")
+def test_mbarrier_twin_rejects_misuse():
+    @ptx.kernel
+    def run(case, source):
+        shared = cuda.shared.array(64, uint32)
+        if case == 0:
+            ptx.mbarrier_wait(shared, 32, 0)  # never initialised
+        elif case == 1:
+            ptx.mbarrier_init(shared, 33, 1)  # not 8-byte aligned
+        else:
+            ptx.mbarrier_init(shared, 32, 1)
+            ptx.bulk_copy(shared, 0, source, 0, 24, 32)  # not a multiple of 16 bytes
+
+    source = np.zeros(64, np.int32)
+    for case, message in ((0, "before mbarrier_init"), (1, "even word offset"), (2, "multiple of 16 bytes")):
+        with pytest.raises((RuntimeError, ValueError), match=message):
+            run[1, 1](case, source)
+
+
 def test_store_shared4_writes_four_words_in_place():
     @ptx.kernel
     def run(words, seen):
