@@ -589,7 +589,12 @@ class StagedWeights:
         at word `base`; `copy_partial` for the last stage of a K range, `remaining` slabs
         long (the rest zero-filled). Chunks past N are not copied, and no warp reads them;
     fetch(tiles, buffer, local_slab, local_chunk, lane, raw): the lane's words of one
-        slab-chunk in the order the reader's `fetch` gives them, so its `decode` applies.
+        slab-chunk in the order the reader's `fetch` gives them, so its `decode` applies;
+    copy_bulk(weights, e, first_chunk, second_chunk, first_slab, tiles, base, barrier):
+        the same stage (a whole one, `bulk_staging_supported`) in a few bulk copies from
+        one thread, a row of a run of chunks each (`ptx.bulk_copy`, counted on the
+        mbarrier at word `barrier`, which the caller has told to expect
+        `4 * stage_words` bytes): no copy instructions or addresses in the other threads.
     """
 
     stage_words: int
@@ -598,6 +603,7 @@ class StagedWeights:
     copy: object
     copy_partial: object
     fetch: object
+    copy_bulk: object
 
 
 @attrs.frozen
@@ -677,6 +683,14 @@ def staging_supported(spec: QuantSpec, n: int, k: int, half: str, stage_slabs: i
     return group_size is None or group_size % stage_k == 0 or stage_k % group_size == 0
 
 
+def bulk_staging_supported(spec: QuantSpec, n: int, k: int, half: str, chunks: int, stage_slabs: int) -> bool:
+    """Whether `StagedWeights.copy_bulk` can fill every stage: staging as
+    `staging_supported`, K in whole stages and N in whole runs of `chunks` chunks (a bulk
+    copy's bytes are fixed when compiled: no partial stage, no chunk past N)."""
+    return (staging_supported(spec, n, k, half, stage_slabs) and k % (stage_slabs * SLAB_K) == 0
+            and -(-n // CHUNK_N) % chunks == 0)
+
+
 @functools.cache
 def staged_weights(spec: QuantSpec, n: int, k: int, half: str, chunks: int, slabs: int, threads: int) -> StagedWeights:
     """The stage copies and shared-memory fetches of `spec` for CTAs of `threads` threads
@@ -747,7 +761,37 @@ def staged_weights(spec: QuantSpec, n: int, k: int, half: str, chunks: int, slab
             raw[words_per_lane + scale_words] = shared1(tiles, base + weight_words + scale_total + column * 8
                                                                 + lane_id // 4)
 
-    return StagedWeights(stage_words, copies_per_thread, plan, copy, copy_partial, fetch)
+    run_chunks = chunks // 2  # the first run of chunks (gemm1's gate half, `plan`); the rest follow second_chunk
+    chunk_words, chunk_zero_words = words_per_chunk, 8 * zero_words
+    slab_rows, slab_words = geometry.slab_rows, geometry.slab_words
+    groups, scale_row, zero_row = lane.groups, lane.row_elements, lane.zero_row_words
+    bulk_copy = ptx.bulk_copy
+
+    @device
+    def copy_rows(weights, e, chunk, local, count, first_slab, tiles, base, barrier):
+        """The stage's rows of `count` chunks from `chunk` on, to local chunk `local`:
+        weight words a slab, scales and zero points a group."""
+        for slab in range(slabs):
+            row = int64(e) * slab_rows + first_slab + slab
+            bulk_copy(tiles, base + (slab * chunks + local) * chunk_words, weights[0],
+                      row * slab_words + chunk * chunk_words, 4 * count * chunk_words, barrier)
+        for group in range(stage_groups):
+            row = int64(e) * groups + uint32(first_slab) * uint32(SLAB_K) // uint32(group_size) + group
+            bulk_copy(tiles, base + weight_words + (group * chunks + local) * chunk_scale_words, weights[1],
+                      row * scale_row + chunk * CHUNK_N, 4 * count * chunk_scale_words, barrier)
+            if zero_words:
+                bulk_copy(tiles, base + weight_words + scale_total + (group * chunks + local) * chunk_zero_words,
+                          weights[2], row * zero_row + chunk * 8, 4 * count * chunk_zero_words, barrier)
+
+    @device
+    def copy_bulk(weights, e, first_chunk, second_chunk, first_slab, tiles, base, barrier):
+        if chunks == 1 or second_chunk == first_chunk + run_chunks:  # one run: a copy a row
+            copy_rows(weights, e, first_chunk, 0, chunks, first_slab, tiles, base, barrier)
+        else:
+            copy_rows(weights, e, first_chunk, 0, run_chunks, first_slab, tiles, base, barrier)
+            copy_rows(weights, e, second_chunk, run_chunks, chunks - run_chunks, first_slab, tiles, base, barrier)
+
+    return StagedWeights(stage_words, copies_per_thread, plan, copy, copy_partial, fetch, copy_bulk)
 
 
 def _no_groups():

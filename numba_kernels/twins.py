@@ -405,6 +405,20 @@ def ldmatrix4(shared, offset):
     return warp.meet(lane, int(offset), load)[lane]
 
 
+def store_matrix4(shared, offset, r0, r1, r2, r3):
+    """stmatrix .x4: every lane's registers stored at once, as the instruction stores them."""
+    lane, warp = _warp()
+    flat = shared.reshape(-1)
+
+    def store(lanes):
+        for j in range(4):
+            for row in range(8):
+                target = lanes[8 * j + row][0]
+                flat[target:target + 4] = [lanes[4 * row + t][1][j] for t in range(4)]
+
+    warp.meet(lane, (int(offset), tuple(np.uint32(int(r) & 0xFFFFFFFF) for r in (r0, r1, r2, r3))), store)
+
+
 def store_words(shared, offset, w0, w1, w2, w3):
     """st.shared.v4: four words at flat word `offset` of a uint32 shared array."""
     shared.reshape(-1)[int(offset):int(offset) + 4] = [np.uint32(int(w) & 0xFFFFFFFF) for w in (w0, w1, w2, w3)]

@@ -130,34 +130,40 @@ def test_replay_stress_says_where_outputs_differ_and_changes_the_oracles_tiles(m
         sys.modules.pop("replay_stress", None)
 
 
-def test_specialized_bound_variants_name_tiles_stages_and_what_they_leave_out(monkeypatch):
+def test_specialized_bound_variants_name_chunks_stages_and_what_they_leave_out(monkeypatch):
     import argparse
 
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     try:
         bound = importlib.import_module("specialized_bound")
-        assert bound.variant("4:3") == (4, 3, "", False) and bound.variant("2:5:act") == (2, 5, "act", False)
-        assert bound.variant("2:3:bulk") == (2, 3, "", True) and bound.variant("2:3:mma:bulk") == (2, 3, "mma", True)
-        for text in ("4", "4:3:epilogue", "4:3:act:x", "4:3:act:decode", "4:3:bulk:bulk", "a:3"):
-            with pytest.raises(argparse.ArgumentTypeError, match="tiles:stages"):
+        assert bound.variant("4:3") == (4, 3, "") and bound.variant("2:5:act") == (2, 5, "act")
+        for text in ("4", "4:3:epilogue", "4:3:act:x", "a:3"):
+            with pytest.raises(argparse.ArgumentTypeError, match="chunks:stages"):
                 bound.variant(text)
+        spec = bound.SPECS["w4a16-g128"]
         with pytest.raises(ValueError, match="leave_out"):
-            bound.make_bound_kernel(64, 3, 4096, 2, "epilogue")
+            bound.make_bound_kernel(spec, 512, 4096, 64, 2, 3, "epilogue")
+        with pytest.raises(ValueError, match="bulk-copied stages"):
+            bound.make_bound_kernel(spec, 512, 4096 + 16, 64, 2, 3)  # K not in whole stages
     finally:
         sys.modules.pop("specialized_bound", None)
 
 
-@pytest.mark.parametrize("bulk", [False, True])
-def test_specialized_bound_computes_the_grouped_product_it_times(bulk, monkeypatch):
-    """The warp-specialised bound (producer warps decoding into a ring, a consumer
-    warpgroup's wgmma, named barriers; the activations copied by every producer or in
-    one bulk copy a stage) gives act @ dequantised weights: under the simulator at a
-    shape of four CTAs (two experts, two feature tiles) whose 4 stages go round a 2-stage
-    ring twice (on the GPU the script checks itself at a larger one before it times)."""
+@pytest.mark.parametrize("spec_name", ["w4a16-g128", "nvfp4", "zero points"])
+def test_specialized_bound_computes_the_grouped_product_it_times(spec_name, monkeypatch):
+    """The warp-specialised bound (bulk copies of each stage on mbarriers, producer warps
+    decoding the native layout with the GEMM's reader into wgmma's A tiles, a consumer
+    warpgroup's wgmma, named barriers) gives act @ the spec's dequantised weights: under
+    the simulator at a shape of four CTAs (two experts, two feature tiles) whose 4 stages
+    go round a 2-stage ring twice (on the GPU the script checks itself at a larger one
+    before it times)."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     try:
+        from layouts import formats
+
         bound = importlib.import_module("specialized_bound")
-        generator = torch.Generator(device="cuda" if torch.cuda.is_available() else "cpu").manual_seed(0)
-        assert bound.bound_error(2, 256, 256, 8, 2, 2, generator, bulk) < 1e-5
+        spec = bound.SPECS.get(spec_name) or formats.native(4, 64, zero_points=True)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        assert bound.bound_error(spec, 2, 256, 256, 8, 2, 2, device) < 1e-5
     finally:
         sys.modules.pop("specialized_bound", None)

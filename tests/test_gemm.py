@@ -9,14 +9,16 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import assume, given, settings, strategies as st
+from numba import cuda, uint32
 
 from layouts import BitPack, Layout, Quantized, Tensor, Transpose, formats
 from layouts.samples import random_quantized
 from layouts.strategies import spec_for
-from numba_kernels import gemm as gemm_module, interop
+from numba_kernels import gemm as gemm_module, interop, ptx
 from numba_kernels.align import moe_align_block_size
-from numba_kernels.fragments import (COPY_OFFSET_LIMIT, bit_spread, copy_offsets_fit, e2m1_moves, fast_path_supported,
-                                     fragment_reader, lane_scales, move_instructions)
+from numba_kernels.fragments import (COPY_OFFSET_LIMIT, bit_spread, bulk_staging_supported, copy_offsets_fit,
+                                     e2m1_moves, fast_path_supported, fragment_reader, lane_scales, move_instructions,
+                                     staged_weights)
 from numba_kernels.gemm import GemmTile, grouped_gemm, prefill_supported, reference_grouped_gemm
 from numba_kernels.weights import KernelWeights
 
@@ -444,6 +446,53 @@ def _small_problem(half=torch.bfloat16):
     sorted_ids, expert_ids, padded = reference_alignment(np.array([[0], [1]], np.int32), 16, 2)
     alignment = tuple(torch.from_numpy(a).to(device) for a in (sorted_ids, expert_ids, padded))
     return torch.zeros(2, 64, dtype=half, device=device), weights, alignment
+
+
+@pytest.mark.parametrize("spec", [formats.native(4, 128), formats.native(4, 64, zero_points=True),
+                                  formats.native(fp4=True)], ids=lambda spec: spec.name)
+@pytest.mark.parametrize("second_chunk", [1, 3], ids=["one run", "two runs"])
+def test_bulk_staging_fills_a_stage_exactly_as_the_threads_copies_do(spec, second_chunk):
+    """`StagedWeights.copy_bulk` (one thread's bulk copies on an mbarrier) writes every
+    word of a stage that the threads' 16-byte copies write, for each stage of an expert:
+    codes, scales and zero points, the chunks as one run or two (gemm1's gate and up)."""
+    experts, n, k, chunks, slabs, threads = 2, 256, 256, 2, 4, 64
+    assert bulk_staging_supported(spec, n, k, "bfloat16", chunks, slabs)
+    assert not bulk_staging_supported(spec, n, k + 16, "bfloat16", chunks, slabs)  # a partial stage
+    assert not bulk_staging_supported(spec, 192, k, "bfloat16", chunks, slabs)  # a chunk past N
+    staged = staged_weights(spec, n, k, "bfloat16", chunks, slabs, threads)
+    words, steps = staged.stage_words, k // (slabs * 16)
+
+    @ptx.kernel
+    def run(weights, e, second, seen):
+        shared = cuda.shared.array(0, uint32)
+        thread = uint32(cuda.threadIdx.x)
+        sources = cuda.local.array(staged.copies_per_thread, uint32)
+        staged.plan(e, uint32(0), second, thread, sources)
+        if thread == 0:
+            ptx.mbarrier_init(shared, 2 * words, 1)
+        for step in range(steps):
+            for i in range(thread, 2 * words, threads):
+                shared[i] = uint32(0xDEADBEEF)
+            cuda.syncthreads()
+            staged.copy(weights, sources, step * slabs, shared, uint32(0), thread)
+            ptx.commit_copies()
+            if thread == 0:
+                ptx.mbarrier_expect_bytes(shared, 2 * words, 4 * words)
+                staged.copy_bulk(weights, e, uint32(0), second, step * slabs, shared, uint32(words), 2 * words)
+            ptx.wait_copies[0]()
+            ptx.mbarrier_wait(shared, 2 * words, step % 2)
+            cuda.syncthreads()
+            for i in range(thread, 2 * words, threads):
+                seen[step, i] = shared[i]
+            cuda.syncthreads()
+
+    q = random_quantized(spec, (experts, n, k), np.random.default_rng(2))
+    weights = KernelWeights.from_physical(spec, spec.pack(q), (experts, n, k))
+    for e in range(experts):
+        seen = np.zeros((steps, 2 * words), np.uint32)
+        run[1, threads, 0, 4 * (2 * words + 2)](weights._arrays, e, second_chunk, seen)
+        np.testing.assert_array_equal(seen[:, words:], seen[:, :words])
+        assert not (seen == 0xDEADBEEF).any()
 
 
 def test_prefill_copies_take_only_arrays_their_32_bit_offsets_reach():
