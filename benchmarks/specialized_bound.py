@@ -60,6 +60,7 @@ HALF = "bfloat16"
 STAGE_SLABS = 4  # slabs of 16 of K a pipeline stage
 STEP_K = STAGE_SLABS * SLAB_K
 TILE_WORDS = 512  # a decoded 64 x 16 tile of weights (one wgmma's A)
+A_BUFFERS = 2  # decoded stages in shared memory at once
 LEFT_OUT = ("", "decode", "fence", "mma", "act")  # what a timing-only variant leaves out ("act": activation copies)
 CORE_LBO, CORE_SBO = 128, 256  # bytes: the next 8 of K, the next 8 rows (features or slots)
 SPECS = {"w4a16-g128": formats.native(4, 128), "nvfp4": formats.native(fp4=True)}
@@ -84,7 +85,10 @@ def make_bound_kernel(spec, n: int, k: int, slots: int, chunks: int, stages: int
     fetch, copy_bulk, decode = staged.fetch, staged.copy_bulk, reader.decode
     output_scale, raw_words = reader.output_scale, reader.raw_words
     w_words, a_words, b_words = staged.stage_words, STAGE_SLABS * chunks * TILE_WORDS, STAGE_SLABS * slots * 8
-    a_ring, b_ring, barriers = stages * w_words, stages * (w_words + a_words), stages * (w_words + a_words + b_words)
+    # The copies' ring is `stages` deep; the decoded A tiles need only two buffers: the
+    # producers decode step i after the consumer released step i - 2 (`producer_step`).
+    a_ring, b_ring = stages * w_words, stages * w_words + A_BUFFERS * a_words
+    barriers = b_ring + stages * b_words
     stage_bytes = 4 * (w_words + (b_words if leave_out != "act" else 0))
     regs, accumulators = slots // 2, chunks * slots // 2  # a consumer thread's: of one chunk, of all
     multiply = ptx.shared_warpgroup_mma(HALF, slots)
@@ -105,8 +109,9 @@ def make_bound_kernel(spec, n: int, k: int, slots: int, chunks: int, stages: int
 
     @ptx.device
     def decode_slab(weights, expert, step, b, local_slab, chunk, first_chunk, lane, shared, raw, params, frags):
-        """A producer warp's slab `local_slab` of chunk `chunk`, stage buffer b: staged
-        codes -> fragments -> the chunk's A tile of that slab, 8 x 8 core matrices."""
+        """A producer warp's slab `local_slab` of chunk `chunk` of `step`, from copy buffer
+        b: staged codes -> fragments -> the chunk's A tile of that slab (A buffer step % 2),
+        8 x 8 core matrices."""
         fetch(shared, b, local_slab, chunk, lane, raw)
         if decoding:
             decode(raw, params, weights, expert, step * uint32(STAGE_SLABS) + local_slab, first_chunk + chunk, lane,
@@ -117,7 +122,8 @@ def make_bound_kernel(spec, n: int, k: int, slots: int, chunks: int, stages: int
         # fragment 4j + 2h + r: features 16j + 8h + lane / 4, K 8r + 2 (lane % 4) of the
         # slab; lane l names row l % 8 of matrix l / 8 = 2h + r of each of four stores.
         h, r = (lane // uint32(8)) // uint32(2), (lane // uint32(8)) % uint32(2)
-        tile = uint32(a_ring) + b * uint32(a_words) + (local_slab * uint32(chunks) + chunk) * uint32(TILE_WORDS)
+        tile = (uint32(a_ring) + step % uint32(A_BUFFERS) * uint32(a_words)
+                + (local_slab * uint32(chunks) + chunk) * uint32(TILE_WORDS))
         row = tile + h * uint32(CORE_SBO // 4) + r * uint32(CORE_LBO // 4) + (lane % uint32(8)) * uint32(4)
         for j in range(4):
             ptx.store_matrix4(shared, row + uint32(j * 2 * CORE_SBO // 4), frags[4 * j], frags[4 * j + 1],
@@ -125,7 +131,9 @@ def make_bound_kernel(spec, n: int, k: int, slots: int, chunks: int, stages: int
 
     def producer_step(b: int):
         """Decode stage b's codes into its A tiles and hand the stage to the consumer;
-        then refill the stage before it, once the consumer is done with it."""
+        then refill the stage before it, once the consumer is done with it. That wait
+        (for step i - 1's wgmma) comes before the decode of step i + 1, which so
+        overwrites the A buffer of step i - 1 only once its wgmma are done."""
         ready, before = ptx.barrier_arrive(1 + b, threads), (b - 1) % stages
         released = ptx.barrier_sync(1 + stages + before, threads)
 
@@ -175,7 +183,8 @@ def make_bound_kernel(spec, n: int, k: int, slots: int, chunks: int, stages: int
                 ptx.mbarrier_wait(shared, uint32(barriers + 2 * b), (i // uint32(stages)) % uint32(2))
                 ptx.warpgroup_fence()
                 if multiply_tiles:
-                    multiply_stage(shared, uint32(a_ring + b * a_words), uint32(b_ring + b * b_words), acc)
+                    multiply_stage(shared, uint32(a_ring) + i % uint32(A_BUFFERS) * uint32(a_words),
+                                   uint32(b_ring + b * b_words), acc)
                 ptx.warpgroup_commit()
                 wait_older_mma()
                 if i >= uint32(1):

@@ -460,26 +460,28 @@ def test_bulk_staging_fills_a_stage_exactly_as_the_threads_copies_do(spec, secon
     assert not bulk_staging_supported(spec, n, k + 16, "bfloat16", chunks, slabs)  # a partial stage
     assert not bulk_staging_supported(spec, 192, k, "bfloat16", chunks, slabs)  # a chunk past N
     staged = staged_weights(spec, n, k, "bfloat16", chunks, slabs, threads)
-    words, steps = staged.stage_words, k // (slabs * 16)
+    words, steps, copies = staged.stage_words, k // (slabs * 16), staged.copies_per_thread
+    plan, copy, copy_bulk, wait_all = staged.plan, staged.copy, staged.copy_bulk, ptx.wait_copies[0]
 
     @ptx.kernel
     def run(weights, e, second, seen):
         shared = cuda.shared.array(0, uint32)
         thread = uint32(cuda.threadIdx.x)
-        sources = cuda.local.array(staged.copies_per_thread, uint32)
-        staged.plan(e, uint32(0), second, thread, sources)
+        sources = cuda.local.array(copies, uint32)
+        plan(e, uint32(0), second, thread, sources)
         if thread == 0:
             ptx.mbarrier_init(shared, 2 * words, 1)
         for step in range(steps):
             for i in range(thread, 2 * words, threads):
                 shared[i] = uint32(0xDEADBEEF)
+            ptx.async_proxy_fence()  # the fill before the bulk copies' writes (another proxy)
             cuda.syncthreads()
-            staged.copy(weights, sources, step * slabs, shared, uint32(0), thread)
+            copy(weights, sources, step * slabs, shared, uint32(0), thread)
             ptx.commit_copies()
             if thread == 0:
                 ptx.mbarrier_expect_bytes(shared, 2 * words, 4 * words)
-                staged.copy_bulk(weights, e, uint32(0), second, step * slabs, shared, uint32(words), 2 * words)
-            ptx.wait_copies[0]()
+                copy_bulk(weights, e, uint32(0), second, step * slabs, shared, uint32(words), 2 * words)
+            wait_all()
             ptx.mbarrier_wait(shared, 2 * words, step % 2)
             cuda.syncthreads()
             for i in range(thread, 2 * words, threads):
