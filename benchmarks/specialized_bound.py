@@ -32,10 +32,13 @@ output against the spec's own dequantisation before it times. A variant may leav
 part out (timing only, wrong results): the decode, the proxy fence, the wgmma or the
 activations' copies, which says where the time goes.
 
-Measured (H200, LOG.md): with every producer thread copying its share of the activations
-(`cp.async`) the skeleton lost to the layer, 578-635 us against 448 for gemm1; with bulk
-copies of a stage it won, 385 / 193 us against 448 / 241 (on the script's own code
-layout, `974a294` and its successor).
+Measured (H200, sixty-seventh session of LOG.md, time against the layer's own GEMMs in
+the same call): with every producer thread copying its share of a stage (`cp.async`)
+the skeleton lost, 635 us against 448 for gemm1; one thread's bulk copies of the same
+bytes won, 385 / 193 us against 448 / 241 (on a code layout of the script's own). On
+the native layout, decoded by the GEMM's reader: w4a16 416 / 217 us against 468 / 253
+(0.88x the two GEMMs), NVFP4 491 / 253 against 470 / 259 (1.01x); at 80 slots an expert
+w4a16 takes 442 / 232.
 """
 
 from __future__ import annotations
