@@ -12,7 +12,7 @@ GEMMs (sixty-sixth and sixty-seventh sessions):
 
 * a CTA computes `chunks` 64-feature chunks of one expert for all of its `slots` slots
   (one wgmma m64nNk16 per chunk and slab of 16 of K, N = slots), K in stages of four
-  slabs through a ring `stages` deep;
+  slabs copied into a ring `stages` deep and decoded into two buffers of A tiles;
 * one thread copies each stage in a few bulk copies (`ptx.bulk_copy`) counted on the
   stage's mbarrier: the weights as the prefill GEMM stages them
   (`fragments.StagedWeights.copy_bulk`: codes, scales, zero points of the native

@@ -44,6 +44,8 @@ j, lbo, sbo, acc, j)``
 ``barrier_sync(b, n)()``  bar.sync b, n                    producer and consumer
 ``barrier_arrive(b, n)()`` bar.arrive b, n                  warps handing buffers over
 ``warpgroup_fence()``    wgmma.fence                         before a group's first mma
+``warpgroup_commit()``   wgmma.commit_group                  close a group of mma
+``warpgroup_wait[n]()``  wgmma.wait_group n                  all but the newest n groups
 ``mbarrier_init(s, i,    mbarrier.init.shared::cta.b64       a transaction barrier of
 count)``                                                     `count` arrivals a phase
 ``mbarrier_expect_bytes  mbarrier.arrive.expect_tx           arrive; the phase also
@@ -52,8 +54,6 @@ count)``                                                     `count` arrivals a 
 bytes, m)``              .global.mbarrier::complete_tx       counted on barrier m
 ``mbarrier_wait(s, i,    mbarrier.try_wait.parity, in a      until the phase of that
 parity)``                loop                                parity has completed
-``warpgroup_commit()``   wgmma.commit_group                  close a group of mma
-``warpgroup_wait[n]()``  wgmma.wait_group n                  all but the newest n groups
 =======================  ==================================  ==========================
 
 ``wait_for_previous`` and ``release_next`` are Hopper instructions (sm_90) of
@@ -392,52 +392,27 @@ def _statement(asm, operand_types=(), constraints=""):
     return emit
 
 
-def _gpu_shared_store4():
-    """store_shared4(shared, i, w0, w1, w2, w3): one st.shared.v4.u32 at flat word i."""
+def _gpu_shared_store4(asm: str):
+    """An intrinsic (shared, i, w0, w1, w2, w3) emitting `asm` on the shared address of
+    flat word i ($0) and four words ($1 .. $4): st.shared.v4, or a warp's stmatrix."""
     from llvmlite import ir
     from numba.cuda.extending import intrinsic
 
     @intrinsic
-    def store_shared4(typingctx, shared, offset, w0, w1, w2, w3):
+    def store4(typingctx, shared, offset, w0, w1, w2, w3):
         _check_flat(shared, offset)
         if not all(isinstance(w, types.Integer) for w in (w0, w1, w2, w3)):
-            raise TypeError(f"store_shared4 stores integer words, got {w0}, {w1}, {w2}, {w3}")
+            raise TypeError(f"a shared store of four words takes integer words, got {w0}, {w1}, {w2}, {w3}")
 
         def codegen(context, builder, sig, args):
             target = _shared_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
             words = [context.cast(builder, args[i], sig.args[i], types.uint32) for i in range(2, 6)]
-            emit = _statement("st.shared.v4.u32 [$0], {$1, $2, $3, $4};", [target.type] + [ir.IntType(32)] * 4,
-                              "l,r,r,r,r")
-            emit(builder, [target] + words)
+            _statement(asm, [target.type] + [ir.IntType(32)] * 4, "l,r,r,r,r")(builder, [target] + words)
             return context.get_dummy_value()
 
         return types.void(shared, offset, w0, w1, w2, w3), codegen
 
-    return store_shared4
-
-
-def _gpu_matrix_store():
-    """store_matrix4(shared, i, r0, r1, r2, r3): one warp-collective stmatrix .x4."""
-    from llvmlite import ir
-    from numba.cuda.extending import intrinsic
-
-    @intrinsic
-    def store_matrix4(typingctx, shared, offset, r0, r1, r2, r3):
-        _check_flat(shared, offset)
-        if not all(isinstance(r, types.Integer) for r in (r0, r1, r2, r3)):
-            raise TypeError(f"store_matrix4 stores integer words, got {r0}, {r1}, {r2}, {r3}")
-
-        def codegen(context, builder, sig, args):
-            target = _shared_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-            words = [context.cast(builder, args[i], sig.args[i], types.uint32) for i in range(2, 6)]
-            emit = _statement("stmatrix.sync.aligned.m8n8.x4.shared.b16 [$0], {$1, $2, $3, $4};",
-                              [target.type] + [ir.IntType(32)] * 4, "l,r,r,r,r")
-            emit(builder, [target] + words)
-            return context.get_dummy_value()
-
-        return types.void(shared, offset, r0, r1, r2, r3), codegen
-
-    return store_matrix4
+    return store4
 
 
 def _gpu_async_copies():
@@ -711,7 +686,8 @@ ldmatrix4 = twins.ldmatrix4 if SIMULATED else _gpu_read(
     "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];", 4, _shared_pointer, in_place=True)
 # store_matrix4(shared, i, r0, r1, r2, r3): the warp's four 8x8 half matrices from its
 # registers, lane l naming a row at word i (module docstring).
-store_matrix4 = twins.store_matrix4 if SIMULATED else _gpu_matrix_store()
+store_matrix4 = twins.store_matrix4 if SIMULATED else _gpu_shared_store4(
+    "stmatrix.sync.aligned.m8n8.x4.shared.b16 [$0], {$1, $2, $3, $4};")
 # Programmatic dependent launch (module docstring): wait_for_previous() blocks until the
 # kernel before has finished; release_next() lets the kernel after start launching.
 wait_for_previous = twins.no_op if SIMULATED else _gpu_statement("griddepcontrol.wait;", hopper)
@@ -732,7 +708,7 @@ async_proxy_fence = twins.no_op if SIMULATED else _gpu_statement("fence.proxy.as
 mbarrier_init, mbarrier_expect_bytes, mbarrier_wait, bulk_copy = twins.mbarriers() if SIMULATED else _gpu_mbarriers()
 # store_shared4(shared, i, w0, w1, w2, w3): four words to a uint32 shared array at flat
 # word i (16-byte aligned) in one store: a thread's decoded row of a core matrix.
-store_shared4 = twins.store_words if SIMULATED else _gpu_shared_store4()
+store_shared4 = twins.store_words if SIMULATED else _gpu_shared_store4("st.shared.v4.u32 [$0], {$1, $2, $3, $4};")
 _load4 = load_written[4]
 # and_or(a, mask, bits) = (a & mask) | bits in one instruction (ptxas splits the pair when
 # both constants are immediates): the int4 code -> magic-half step of dequantisation.
