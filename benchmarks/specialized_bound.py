@@ -10,8 +10,9 @@ for the same reason, and named the way out: warp specialisation. This script bui
 main loop of such a GEMM on the layer's own weights and times it beside the layer's two
 GEMMs (sixty-sixth and sixty-seventh sessions):
 
-* a CTA computes `chunks` 64-feature chunks of one expert for all of its `slots` slots
-  (one wgmma m64nNk16 per chunk and slab of 16 of K, N = slots), K in stages of four
+* a CTA computes `chunks` 64-feature chunks of one expert for all of its slots (one
+  wgmma m64nNk16 per chunk and slab of 16 of K, N the expert's slots rounded up to a
+  multiple of 8: a few widths compiled, one picked a CTA), K in stages of four
   slabs copied into a ring `stages` deep and decoded into two buffers of A tiles;
 * one thread copies each stage in a few bulk copies (`ptx.bulk_copy`) counted on the
   stage's mbarrier: the weights as the prefill GEMM stages them
@@ -26,8 +27,10 @@ GEMMs (sixty-sixth and sixty-seventh sessions):
 * the two sides meet on named barriers (`ptx.barrier_sync`, `ptx.barrier_arrive`), a
   pair per stage, never on a barrier of the whole CTA.
 
-Every expert gets exactly `slots` slots (no routing, no padding) and no epilogue beyond
-float32 stores: an upper bound on the design, not a kernel the layer runs. It checks its
+Every expert takes as many slots as the layer's routing gives it (`--slots`: as many
+each), in one CTA a group of chunks, so its weights are decoded once; there is no
+gather of the slots' activations (they come stored stage by stage) and no epilogue
+beyond float32 stores: an upper bound on the design, not a kernel the layer runs. It checks its
 output against the spec's own dequantisation before it times. A variant may leave one
 part out (timing only, wrong results): the decode, the proxy fence, the wgmma or the
 activations' copies, which says where the time goes.
@@ -38,7 +41,10 @@ the skeleton lost, 635 us against 448 for gemm1; one thread's bulk copies of the
 bytes won, 385 / 193 us against 448 / 241 (on a code layout of the script's own). On
 the native layout, decoded by the GEMM's reader: w4a16 416 / 217 us against 468 / 253
 (0.88x the two GEMMs), NVFP4 491 / 253 against 470 / 259 (1.01x); at 80 slots an expert
-w4a16 takes 442 / 232.
+w4a16 takes 442 / 232. With the layer's own routing (49 to 74 slots an expert) it loses:
+523 / 269 against 469 / 253 with four compiled widths (ptxas injects warpgroup arrives
+where their accumulators meet, warning C7519), 800 / 397 with one width of 80 (144
+registers: one CTA an SM).
 """
 
 from __future__ import annotations
@@ -69,18 +75,28 @@ CORE_LBO, CORE_SBO = 128, 256  # bytes: the next 8 of K, the next 8 rows (featur
 SPECS = {"w4a16-g128": formats.native(4, 128), "nvfp4": formats.native(fp4=True)}
 
 
+def widths_for(counts) -> tuple[int, ...]:
+    """The wgmma widths (N) the kernel needs for experts of `counts` slots: each count
+    rounded up to a multiple of 8, once each (experts without slots need none)."""
+    return tuple(sorted({8 * -(-int(count) // 8) for count in counts if count > 0}))
+
+
 @functools.cache
-def make_bound_kernel(spec, n: int, k: int, slots: int, chunks: int, stages: int, leave_out: str = ""):
-    """(kernel(act, weights, out), shared words) for weights `spec` of shape (n, k) an
-    expert, `slots` slots an expert, `chunks` chunks a CTA and a `stages`-deep ring
-    (`act` as `stage_blocks` stores it, `weights` the `KernelWeights` arrays); grid
-    (n / (64 chunks), experts), 128 + 64 chunks threads. `leave_out` one of LEFT_OUT,
-    timing only (wrong results): what the loop costs without it."""
-    if (not bulk_staging_supported(spec, n, k, HALF, chunks, STAGE_SLABS) or not 2 <= stages <= 7
-            or slots not in ptx.WARPGROUP_COLUMNS or leave_out not in LEFT_OUT):
+def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int, stages: int, leave_out: str = ""):
+    """(kernel(act, weights, counts, out), shared words) for weights `spec` of shape (n,
+    k) an expert, `chunks` chunks a CTA and a `stages`-deep ring; an expert of
+    counts[e] slots multiplies its stages by the narrowest of `widths` (wgmma's N, a
+    multiple of 8) that holds them, so its weights are decoded once however many slots
+    it has (`act` as `stage_blocks` stores it, max(widths) rows an expert; `weights` the
+    `KernelWeights` arrays); grid (n / (64 chunks), experts), 128 + 64 chunks threads.
+    `leave_out` one of LEFT_OUT, timing only (wrong results): what the loop costs
+    without it."""
+    if (not bulk_staging_supported(spec, n, k, HALF, chunks, STAGE_SLABS) or not 2 <= stages <= 7 or not widths
+            or not set(widths) <= set(ptx.WARPGROUP_COLUMNS) or leave_out not in LEFT_OUT):
         raise ValueError(f"{spec.name} at (n={n}, k={k}) in bulk-copied stages of {STEP_K} of K and {chunks} chunks, "
-                         f"stages in [2, 7] and slots a multiple of 8 up to 256 expected, got stages={stages}, "
-                         f"slots={slots}; leave_out one of {LEFT_OUT}, got {leave_out!r}")
+                         f"stages in [2, 7] and widths multiples of 8 up to 256 expected, got stages={stages}, "
+                         f"widths={widths}; leave_out one of {LEFT_OUT}, got {leave_out!r}")
+    slots = max(widths)  # rows of an expert's activations (and outputs)
     producers = 64 * chunks
     threads, steps = 128 + producers, k // STEP_K
     staged = staged_weights(spec, n, k, HALF, chunks, STAGE_SLABS, producers)
@@ -92,23 +108,25 @@ def make_bound_kernel(spec, n: int, k: int, slots: int, chunks: int, stages: int
     # producers decode step i after the consumer released step i - 2 (`producer_step`).
     a_ring, b_ring = stages * w_words, stages * w_words + A_BUFFERS * a_words
     barriers = b_ring + stages * b_words
-    stage_bytes = 4 * (w_words + (b_words if leave_out != "act" else 0))
     regs, accumulators = slots // 2, chunks * slots // 2  # a consumer thread's: of one chunk, of all
-    multiply = ptx.shared_warpgroup_mma(HALF, slots)
     wait_older_mma, wait_all_mma = ptx.warpgroup_wait[1], ptx.warpgroup_wait[0]
     decoding, fence, multiply_tiles, copy_act = (leave_out != part for part in LEFT_OUT[1:])
 
     @ptx.device
-    def issue_stage(act, weights, step, buffer, expert, first_chunk, shared):
-        """One thread's bulk copies of `step` (none past the last) into `buffer`."""
+    def issue_stage(act, weights, step, buffer, expert, first_chunk, width, shared):
+        """One thread's bulk copies of `step` (none past the last) into `buffer`: the
+        weights, and the first `width` slots of each slab's activations."""
         if step < uint32(steps):
             barrier = uint32(barriers) + uint32(2) * buffer
-            ptx.mbarrier_expect_bytes(shared, barrier, stage_bytes)
+            ptx.mbarrier_expect_bytes(shared, barrier, uint32(4 * w_words) + (
+                uint32(STAGE_SLABS * 32) * width if copy_act else uint32(0)))
             copy_bulk(weights, expert, first_chunk, first_chunk + uint32(chunks // 2), step * uint32(STAGE_SLABS),
-                             shared, buffer * uint32(w_words), barrier)
+                      shared, buffer * uint32(w_words), barrier)
             if copy_act:
-                ptx.bulk_copy(shared, uint32(b_ring) + buffer * uint32(b_words), act,
-                              (expert * uint32(steps) + step) * uint32(b_words), 4 * b_words, barrier)
+                for slab in range(STAGE_SLABS):
+                    ptx.bulk_copy(shared, uint32(b_ring + slab * slots * 8) + buffer * uint32(b_words), act,
+                                  (expert * uint32(steps) + step) * uint32(b_words) + uint32(slab * slots * 8),
+                                  uint32(32) * width, barrier)
 
     @ptx.device
     def decode_slab(weights, expert, step, b, local_slab, chunk, first_chunk, lane, shared, raw, params, frags):
@@ -141,7 +159,7 @@ def make_bound_kernel(spec, n: int, k: int, slots: int, chunks: int, stages: int
         released = ptx.barrier_sync(1 + stages + before, threads)
 
         @ptx.device
-        def step(first, act, weights, expert, first_chunk, p, shared, raw, params, frags):
+        def step(first, act, weights, expert, first_chunk, width, p, shared, raw, params, frags):
             i = first + uint32(b)
             if i < uint32(steps):
                 ptx.mbarrier_wait(shared, uint32(barriers + 2 * b), (i // uint32(stages)) % uint32(2))
@@ -156,12 +174,14 @@ def make_bound_kernel(spec, n: int, k: int, slots: int, chunks: int, stages: int
                     released()
                     if p == uint32(0):
                         issue_stage(act, weights, i - uint32(1) + uint32(stages), uint32(before), expert, first_chunk,
-                                    shared)
+                                    width, shared)
 
         return step
 
-    def tile_multiplier(slab: int, chunk: int):
-        """acc[chunk] += A (chunk `chunk`, slab `slab` of the stage at a_base) @ B."""
+    def tile_multiplier(width: int, slab: int, chunk: int):
+        """acc[chunk] += A (chunk `chunk`, slab `slab` of the stage at a_base) @ B (its
+        first `width` slots): the first width / 2 of the chunk's accumulators."""
+        multiply = ptx.shared_warpgroup_mma(HALF, width)
 
         @ptx.device
         def multiply_tile(shared, a_base, b_base, acc):
@@ -170,7 +190,20 @@ def make_bound_kernel(spec, n: int, k: int, slots: int, chunks: int, stages: int
 
         return multiply_tile
 
-    multiply_stage = functools.reduce(chain, [tile_multiplier(s, c) for s in range(STAGE_SLABS) for c in range(chunks)])
+    def width_multiplier(index: int, width: int):
+        """The stage's wgmma at `width`, if the CTA's width is widths[index] (a branch the
+        whole warpgroup takes alike)."""
+        multiply_stage = functools.reduce(chain, [tile_multiplier(width, s, c) for s in range(STAGE_SLABS)
+                                                  for c in range(chunks)])
+
+        @ptx.device
+        def multiply_if(width_index, shared, a_base, b_base, acc):
+            if width_index == uint32(index):
+                multiply_stage(shared, a_base, b_base, acc)
+
+        return multiply_if
+
+    multiply_stage = functools.reduce(chain, [width_multiplier(i, width) for i, width in enumerate(widths)])
 
     def consumer_step(b: int):
         """Multiply stage b once the producers hand it over; release the stage before it
@@ -179,14 +212,14 @@ def make_bound_kernel(spec, n: int, k: int, slots: int, chunks: int, stages: int
         release = ptx.barrier_arrive(1 + stages + before, threads)
 
         @ptx.device
-        def step(first, shared, acc):
+        def step(first, width_index, shared, acc):
             i = first + uint32(b)
             if i < uint32(steps):
                 ready()
                 ptx.mbarrier_wait(shared, uint32(barriers + 2 * b), (i // uint32(stages)) % uint32(2))
                 ptx.warpgroup_fence()
                 if multiply_tiles:
-                    multiply_stage(shared, uint32(a_ring) + i % uint32(A_BUFFERS) * uint32(a_words),
+                    multiply_stage(width_index, shared, uint32(a_ring) + i % uint32(A_BUFFERS) * uint32(a_words),
                                    uint32(b_ring + b * b_words), acc)
                 ptx.warpgroup_commit()
                 wait_older_mma()
@@ -210,10 +243,11 @@ def make_bound_kernel(spec, n: int, k: int, slots: int, chunks: int, stages: int
                 acc[first + q] = float32(0)
 
         @ptx.device
-        def store(acc, scale, out, expert, row, col):
+        def store(acc, scale, out, expert, count, row, col):
             for q in range(4):
-                out[expert, uint32(8 * c + q % 2) + col, row + uint32(CHUNK_N * chunk + 8 * (q // 2))] = (
-                    acc[first + q] * scale)
+                slot = uint32(8 * c + q % 2) + col
+                if slot < count:
+                    out[expert, slot, row + uint32(CHUNK_N * chunk + 8 * (q // 2))] = acc[first + q] * scale
 
         return zero, store
 
@@ -221,10 +255,23 @@ def make_bound_kernel(spec, n: int, k: int, slots: int, chunks: int, stages: int
     zero_accumulators = functools.reduce(chain, [zero for zero, _ in columns])
     store_outputs = functools.reduce(chain, [store for _, store in columns])
 
+    @ptx.device
+    def width_of(count):
+        """(the narrowest of `widths` that holds `count` slots, its index)."""
+        width, index = uint32(widths[-1]), uint32(len(widths) - 1)
+        for i in range(len(widths) - 1, -1, -1):
+            if count <= uint32(widths[i]):
+                width, index = uint32(widths[i]), uint32(i)
+        return width, index
+
     @ptx.kernel(launch_bounds=threads)
-    def bound(act, weights, out):
+    def bound(act, weights, counts, out):
         shared = cuda.shared.array(0, uint32)
         tid, ftile, expert = uint32(cuda.threadIdx.x), uint32(cuda.blockIdx.x), uint32(cuda.blockIdx.y)
+        count = uint32(counts[expert])
+        if count == uint32(0):
+            return
+        width, width_index = width_of(count)
         first_chunk = ftile * uint32(chunks)
         if tid == uint32(0):
             for b in range(stages):
@@ -234,23 +281,23 @@ def make_bound_kernel(spec, n: int, k: int, slots: int, chunks: int, stages: int
             p = tid - uint32(128)
             if p == uint32(0):
                 for s in range(stages):
-                    issue_stage(act, weights, uint32(s), uint32(s), expert, first_chunk, shared)
+                    issue_stage(act, weights, uint32(s), uint32(s), expert, first_chunk, width, shared)
             raw = cuda.local.array(raw_words, uint32)
             params = cuda.local.array(16, uint32)
             frags = cuda.local.array(16, uint32)
             first = uint32(0)
             while first < uint32(steps):
-                produce_round(first, act, weights, expert, first_chunk, p, shared, raw, params, frags)
+                produce_round(first, act, weights, expert, first_chunk, width, p, shared, raw, params, frags)
                 first += uint32(stages)
         else:
             acc = cuda.local.array(accumulators, float32)
             zero_accumulators(acc)
             first = uint32(0)
             while first < uint32(steps):
-                consume_round(first, shared, acc)
+                consume_round(first, width_index, shared, acc)
                 first += uint32(stages)
             wait_all_mma()
-            store_outputs(acc, output_scale(weights, expert), out, expert,
+            store_outputs(acc, output_scale(weights, expert), out, expert, count,
                           first_chunk * uint32(CHUNK_N) + (tid // uint32(32)) * uint32(16) + (tid % uint32(32)) // uint32(4),
                           uint32(2) * (tid % uint32(4)))
 
@@ -287,22 +334,28 @@ def bound_inputs(spec, experts: int, n: int, k: int, slots: int, seed: int, devi
     return act, weights, dense.repeat(experts, n // sample_n, 1)
 
 
-def run_bound(act, weights, out, chunks: int, stages: int, leave_out: str = ""):
-    """Launch the bound kernel on torch's stream (`act` as `stage_blocks` stores it)."""
-    experts, slots, n = out.shape
-    kernel, words = make_bound_kernel(weights.spec, n, weights.shape[2], slots, chunks, stages, leave_out)
+def run_bound(act, weights, counts, widths, out, chunks: int, stages: int, leave_out: str = ""):
+    """Launch the bound kernel on torch's stream: `act` as `stage_blocks` stores it,
+    `counts` (experts,) int32 slots an expert on the GPU, `widths` what `widths_for`
+    gives for them."""
+    experts, _, n = out.shape
+    kernel, words = make_bound_kernel(weights.spec, n, weights.shape[2], widths, chunks, stages, leave_out)
     launch_kernel(kernel, (n // (CHUNK_N * chunks), experts), 128 + 64 * chunks, interop.to_kernel(act),
-                  weights.arrays(), interop.to_kernel(out), shared_bytes=4 * words)
+                  weights.arrays(), interop.to_kernel(counts), interop.to_kernel(out), shared_bytes=4 * words)
 
 
-def bound_error(spec, experts: int, n: int, k: int, slots: int, chunks: int, stages: int, device) -> float:
-    """Largest error of the bound kernel's output against float64 torch, relative to the
-    output's largest magnitude."""
-    act, weights, dense = bound_inputs(spec, experts, n, k, slots, 0, device, sample_n=n // 2)
-    out = torch.zeros(experts, slots, n, dtype=torch.float32, device=device)
-    run_bound(stage_blocks(act), weights, out, chunks, stages)
+def bound_error(spec, counts: list[int], n: int, k: int, chunks: int, stages: int, device) -> float:
+    """Largest error of the bound kernel's output (experts of `counts` slots) against
+    float64 torch, relative to the output's largest magnitude."""
+    widths = widths_for(counts)
+    act, weights, dense = bound_inputs(spec, len(counts), n, k, max(widths), 0, device, sample_n=n // 2)
+    out = torch.zeros(len(counts), max(widths), n, dtype=torch.float32, device=device)
+    run_bound(stage_blocks(act), weights, torch.tensor(counts, dtype=torch.int32, device=device), widths, out, chunks,
+              stages)
     reference = act.double().cpu() @ dense.to(torch.bfloat16).double().transpose(1, 2)
-    return float((out.double().cpu() - reference).abs().max() / reference.abs().max())
+    slots = torch.arange(max(widths)).view(1, -1, 1) < torch.tensor(counts).view(-1, 1, 1)  # the rows computed
+    return float(torch.where(slots, out.double().cpu() - reference, 0).abs().max()
+                 / torch.where(slots, reference, 0).abs().max())
 
 
 def variant(text: str) -> tuple[int, int, str]:
@@ -319,11 +372,14 @@ def main(argv=None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--format", choices=sorted(SPECS), default="w4a16-g128", help="the weights' format")
-    parser.add_argument("--slots", type=int, default=64, help="slots an expert (wgmma N)")
+    parser.add_argument("--slots", type=int, help="slots every expert takes (default: each its count in the "
+                                                   "layer's routing of --tokens)")
     parser.add_argument("--variants", type=variant, nargs="+", default=[(2, 3, ""), (2, 4, "")],
                         help="chunks:stages to time (64-feature chunks a CTA, ring depth), or chunks:stages:part "
                              "without `part` (decode, fence, mma or act, the activations' copies: timing only)")
     parser.add_argument("--tokens", type=int, default=256, help="Mixtral tokens for the layer's own GEMMs")
+    parser.add_argument("--one-width", action="store_true",
+                        help="every expert's wgmma as wide as the most slots an expert has (one compiled width)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("it times kernels on a CUDA GPU and none is available here (its check runs in the simulator: "
@@ -332,25 +388,31 @@ def main(argv=None) -> None:
     rate = matmul_rate(timer)
     print(f"{torch.cuda.get_device_name()}; bf16 matmul {rate / 1e12:.0f} TFLOP/s; {args.format}")
     for chunks, stages in sorted({(chunks, stages) for chunks, stages, _ in args.variants}):
-        error = bound_error(spec, 2, 512, 512, args.slots, chunks, stages, "cuda")
+        error = bound_error(spec, [37, 64], 512, 512, chunks, stages, "cuda")
         print(f"check, {chunks} chunks, {stages} stages: largest error {error:.1e} of the largest output")
     _, _, _, layer, hidden, topk_weights, topk_ids = next(routed_batches(["mixtral"], [args.format], [args.tokens],
                                                                         generator))
     gemms = layer_gemms(layer, hidden, topk_weights, topk_ids)[:2]
     config = layer.config
+    counts = (torch.full((config.num_experts,), args.slots) if args.slots else
+              torch.bincount(topk_ids.flatten().long(), minlength=config.num_experts)).to(torch.int32).cuda()
+    widths = widths_for(counts.tolist())
+    widths = widths[-1:] if args.one_width else widths
+    print(f"slots an expert {counts.tolist()}: wgmma widths {widths}")
     for name, gemm, n, k in (("gemm1", gemms[0], 2 * config.intermediate_size, config.hidden_size),
                              ("gemm2", gemms[1], config.hidden_size, config.intermediate_size)):
         own = timer(captured(gemm))
-        flops = 2 * config.num_experts * args.slots * n * k
+        flops = 2 * int(counts.sum()) * n * k
         print(f"{name} (N {n}, K {k}): the layer's own {own * 1e3:.1f} us at M = {args.tokens} "
               f"({2 * args.tokens * config.top_k * n * k / (own * 1e-3) / rate:.2f} of the matmul rate)")
-        act, weights, _ = bound_inputs(spec, config.num_experts, n, k, args.slots, 1, "cuda")
+        act, weights, _ = bound_inputs(spec, config.num_experts, n, k, max(widths), 1, "cuda")
         act = stage_blocks(act)
-        out = torch.empty(config.num_experts, args.slots, n, dtype=torch.float32, device="cuda")
+        out = torch.empty(config.num_experts, max(widths), n, dtype=torch.float32, device="cuda")
         for chunks, stages, leave_out in args.variants:
-            ms = timer(captured(functools.partial(run_bound, act, weights, out, chunks, stages, leave_out)))
+            ms = timer(captured(functools.partial(run_bound, act, weights, counts, widths, out, chunks, stages,
+                                                  leave_out)))
             without = f", without {leave_out}" if leave_out else ""
-            print(f"  bound, {config.num_experts} x {args.slots} slots, {chunks} chunks, {stages} stages{without}: "
+            print(f"  bound, {int(counts.sum())} slots, {chunks} chunks, {stages} stages{without}: "
                   f"{ms * 1e3:.1f} us ({flops / (ms * 1e-3) / rate:.2f} of the matmul rate)", flush=True)
         del act, weights, out
 

@@ -142,9 +142,12 @@ def test_specialized_bound_variants_name_chunks_stages_and_what_they_leave_out(m
                 bound.variant(text)
         spec = bound.SPECS["w4a16-g128"]
         with pytest.raises(ValueError, match="leave_out"):
-            bound.make_bound_kernel(spec, 512, 4096, 64, 2, 3, "epilogue")
+            bound.make_bound_kernel(spec, 512, 4096, (64,), 2, 3, "epilogue")
         with pytest.raises(ValueError, match="bulk-copied stages"):
-            bound.make_bound_kernel(spec, 512, 4096 + 16, 64, 2, 3)  # K not in whole stages
+            bound.make_bound_kernel(spec, 512, 4096 + 16, (64,), 2, 3)  # K not in whole stages
+        with pytest.raises(ValueError, match="widths multiples of 8"):
+            bound.make_bound_kernel(spec, 512, 4096, (60,), 2, 3)
+        assert bound.widths_for([0, 5, 8, 64, 61, 9]) == (8, 16, 64)
     finally:
         sys.modules.pop("specialized_bound", None)
 
@@ -153,10 +156,11 @@ def test_specialized_bound_variants_name_chunks_stages_and_what_they_leave_out(m
 def test_specialized_bound_computes_the_grouped_product_it_times(spec_name, monkeypatch):
     """The warp-specialised bound (bulk copies of each stage on mbarriers, producer warps
     decoding the native layout with the GEMM's reader into wgmma's A tiles, a consumer
-    warpgroup's wgmma, named barriers) gives act @ the spec's dequantised weights: under
-    the simulator at a shape of four CTAs (two experts, two feature tiles) whose 4 stages
-    go round a 2-stage ring twice (on the GPU the script checks itself at a larger one
-    before it times)."""
+    warpgroup's wgmma at the width its expert's slots need, named barriers) gives act @
+    the spec's dequantised weights for each expert's slots: under the simulator at a
+    shape of six CTAs (three experts of 5, 16 and no slots, two feature tiles) whose 4
+    stages go round a 2-stage ring twice (on the GPU the script checks itself at a larger
+    one before it times)."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     try:
         from layouts import formats
@@ -164,6 +168,6 @@ def test_specialized_bound_computes_the_grouped_product_it_times(spec_name, monk
         bound = importlib.import_module("specialized_bound")
         spec = bound.SPECS.get(spec_name) or formats.native(4, 64, zero_points=True)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        assert bound.bound_error(spec, 2, 256, 256, 8, 2, 2, device) < 1e-5
+        assert bound.bound_error(spec, [5, 16, 0], 256, 256, 2, 2, device) < 1e-5
     finally:
         sys.modules.pop("specialized_bound", None)
