@@ -44,7 +44,8 @@ the native layout, decoded by the GEMM's reader: w4a16 416 / 217 us against 468 
 w4a16 takes 442 / 232. With the layer's own routing (49 to 74 slots an expert) it loses:
 523 / 269 against 469 / 253 with four compiled widths (ptxas injects warpgroup arrives
 where their accumulators meet, warning C7519), 800 / 397 with one width of 80 (144
-registers: one CTA an SM).
+registers: one CTA an SM). Both since mended offline, not yet timed: a consumer loop a
+width (no C7519, 109 registers) and stores not masked by the count (110 at one width).
 """
 
 from __future__ import annotations
@@ -190,36 +191,23 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
 
         return multiply_tile
 
-    def width_multiplier(index: int, width: int):
-        """The stage's wgmma at `width`, if the CTA's width is widths[index] (a branch the
-        whole warpgroup takes alike)."""
+    def consumer_step(b: int, width: int):
+        """Multiply stage b at `width` once the producers hand it over; release the
+        stage before it once that stage's wgmma are done."""
+        ready, before = ptx.barrier_sync(1 + b, threads), (b - 1) % stages
+        release = ptx.barrier_arrive(1 + stages + before, threads)
         multiply_stage = functools.reduce(chain, [tile_multiplier(width, s, c) for s in range(STAGE_SLABS)
                                                   for c in range(chunks)])
 
         @ptx.device
-        def multiply_if(width_index, shared, a_base, b_base, acc):
-            if width_index == uint32(index):
-                multiply_stage(shared, a_base, b_base, acc)
-
-        return multiply_if
-
-    multiply_stage = functools.reduce(chain, [width_multiplier(i, width) for i, width in enumerate(widths)])
-
-    def consumer_step(b: int):
-        """Multiply stage b once the producers hand it over; release the stage before it
-        once that stage's wgmma are done."""
-        ready, before = ptx.barrier_sync(1 + b, threads), (b - 1) % stages
-        release = ptx.barrier_arrive(1 + stages + before, threads)
-
-        @ptx.device
-        def step(first, width_index, shared, acc):
+        def step(first, shared, acc):
             i = first + uint32(b)
             if i < uint32(steps):
                 ready()
                 ptx.mbarrier_wait(shared, uint32(barriers + 2 * b), (i // uint32(stages)) % uint32(2))
                 ptx.warpgroup_fence()
                 if multiply_tiles:
-                    multiply_stage(width_index, shared, uint32(a_ring) + i % uint32(A_BUFFERS) * uint32(a_words),
+                    multiply_stage(shared, uint32(a_ring) + i % uint32(A_BUFFERS) * uint32(a_words),
                                    uint32(b_ring + b * b_words), acc)
                 ptx.warpgroup_commit()
                 wait_older_mma()
@@ -228,13 +216,32 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
 
         return step
 
+    def consumer_loop(index: int, width: int):
+        """The consumer's whole main loop at widths[index], if that is the CTA's width: a
+        loop a width, so that each loop's wgmma are the only writers of the accumulators
+        they use (one loop with a branch a stage made ptxas inject warpgroup arrives,
+        warning C7519)."""
+        consume_round = functools.reduce(chain, [consumer_step(b, width) for b in range(stages)])
+
+        @ptx.device
+        def run(width_index, shared, acc):
+            if width_index == uint32(index):
+                first = uint32(0)
+                while first < uint32(steps):
+                    consume_round(first, shared, acc)
+                    first += uint32(stages)
+
+        return run
+
     produce_round = functools.reduce(chain, [producer_step(b) for b in range(stages)])
-    consume_round = functools.reduce(chain, [consumer_step(b) for b in range(stages)])
+    consume = functools.reduce(chain, [consumer_loop(i, width) for i, width in enumerate(widths)])
 
     def column_tile(chunk: int, c: int):
         """(zero, store) of one n8 column tile's four accumulators: features `row` and
         row + 8 of chunk `chunk`, slots 8c + `col` and + 1. Built per tile in Python, so
-        every accumulator index is a constant (registers, not the stack)."""
+        every accumulator index is a constant (registers, not the stack). Slots past the
+        expert's count are stored too (`out` has max(widths) rows an expert): a store
+        masked by the count took 34 registers more (80 slots: 144, one CTA an SM)."""
         first = chunk * regs + 4 * c
 
         @ptx.device
@@ -243,11 +250,10 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
                 acc[first + q] = float32(0)
 
         @ptx.device
-        def store(acc, scale, out, expert, count, row, col):
+        def store(acc, scale, out, expert, row, col):
             for q in range(4):
-                slot = uint32(8 * c + q % 2) + col
-                if slot < count:
-                    out[expert, slot, row + uint32(CHUNK_N * chunk + 8 * (q // 2))] = acc[first + q] * scale
+                out[expert, uint32(8 * c + q % 2) + col, row + uint32(CHUNK_N * chunk + 8 * (q // 2))] = (
+                    acc[first + q] * scale)
 
         return zero, store
 
@@ -292,12 +298,9 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
         else:
             acc = cuda.local.array(accumulators, float32)
             zero_accumulators(acc)
-            first = uint32(0)
-            while first < uint32(steps):
-                consume_round(first, width_index, shared, acc)
-                first += uint32(stages)
+            consume(width_index, shared, acc)
             wait_all_mma()
-            store_outputs(acc, output_scale(weights, expert), out, expert, count,
+            store_outputs(acc, output_scale(weights, expert), out, expert,
                           first_chunk * uint32(CHUNK_N) + (tid // uint32(32)) * uint32(16) + (tid % uint32(32)) // uint32(4),
                           uint32(2) * (tid % uint32(4)))
 
