@@ -492,7 +492,7 @@ def test_bulk_staging_fills_a_stage_exactly_as_the_threads_copies_do(spec, secon
     weights = KernelWeights.from_physical(spec, spec.pack(q), (experts, n, k))
     for e in range(experts):
         seen = np.zeros((steps, 2 * words), np.uint32)
-        run[1, threads, 0, 4 * (2 * words + 2)](weights._arrays, e, second_chunk, seen)
+        run[1, threads, 0, 4 * (2 * words + 2)](weights.arrays(), e, second_chunk, seen)
         np.testing.assert_array_equal(seen[:, words:], seen[:, :words])
         assert not (seen == 0xDEADBEEF).any()
 
