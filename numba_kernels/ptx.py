@@ -81,7 +81,10 @@ arrives and adds the bytes the phase waits for, and ``bulk_copy`` counts its byt
 (a multiple of 16, both addresses 16-byte aligned) off when they land. A phase
 completes when both counts reach zero; ``mbarrier_wait(parity)`` returns once the phase
 of that parity (the phase number mod 2) has completed. The twin lands a phase's copies
-when the phase completes, so a thread that reads before its wait reads stale words.
+when the phase completes, so a thread that reads before its wait reads stale words. A
+bulk copy writes through the async proxy, as the tensor cores read: shared words that
+threads wrote and a bulk copy then overwrites need an ``async_proxy_fence`` (and a
+barrier) between the two.
 ``ldmatrix4`` is warp-collective: lane
 ``l`` names row ``l % 8`` of matrix ``l // 8`` (four words of 16 bytes); register ``j``
 of lane ``l`` receives word ``l % 4`` of row ``l // 4`` of matrix ``j`` -- for an A tile
