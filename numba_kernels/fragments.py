@@ -762,7 +762,7 @@ def staged_weights(spec: QuantSpec, n: int, k: int, half: str, chunks: int, slab
                                                                 + lane_id // 4)
 
     run_chunks = chunks // 2  # the first run of chunks (gemm1's gate half, `plan`); the rest follow second_chunk
-    chunk_words, chunk_zero_words = words_per_chunk, 8 * zero_words
+    chunk_zero_words = 8 * zero_words
     slab_rows, slab_words = geometry.slab_rows, geometry.slab_words
     groups, scale_row, zero_row = lane.groups, lane.row_elements, lane.zero_row_words
     bulk_copy = ptx.bulk_copy
@@ -773,8 +773,8 @@ def staged_weights(spec: QuantSpec, n: int, k: int, half: str, chunks: int, slab
         weight words a slab, scales and zero points a group."""
         for slab in range(slabs):
             row = int64(e) * slab_rows + first_slab + slab
-            bulk_copy(tiles, base + (slab * chunks + local) * chunk_words, weights[0],
-                      row * slab_words + chunk * chunk_words, 4 * count * chunk_words, barrier)
+            bulk_copy(tiles, base + (slab * chunks + local) * words_per_chunk, weights[0],
+                      row * slab_words + chunk * words_per_chunk, 4 * count * words_per_chunk, barrier)
         for group in range(stage_groups):
             row = int64(e) * groups + uint32(first_slab) * uint32(SLAB_K) // uint32(group_size) + group
             bulk_copy(tiles, base + weight_words + (group * chunks + local) * chunk_scale_words, weights[1],
