@@ -41,11 +41,13 @@ the skeleton lost, 635 us against 448 for gemm1; one thread's bulk copies of the
 bytes won, 385 / 193 us against 448 / 241 (on a code layout of the script's own). On
 the native layout, decoded by the GEMM's reader: w4a16 416 / 217 us against 468 / 253
 (0.88x the two GEMMs), NVFP4 491 / 253 against 470 / 259 (1.01x); at 80 slots an expert
-w4a16 takes 442 / 232. With the layer's own routing (49 to 74 slots an expert) it loses:
-523 / 269 against 469 / 253 with four compiled widths (ptxas injects warpgroup arrives
-where their accumulators meet, warning C7519), 800 / 397 with one width of 80 (144
-registers: one CTA an SM). Both since mended offline, not yet timed: a consumer loop a
-width (no C7519, 109 registers) and stores not masked by the count (110 at one width).
+w4a16 takes 442 / 232. With the layer's own routing (49 to 74 slots an expert, widths
+56 to 80 picked a CTA) it keeps most of the gain once two things are right (sixty-eighth
+session): a consumer path a width (zeroing, main loop and stores; shared zeroing or
+stores serialise the wgmma, ptxas warnings C7519 and C7515), and one activation copy a
+stage (each expert's stage blocks packed at its width; a copy a slab cost 11 % of gemm1
+at 64 slots an expert). w4a16 433 / 231 us against 469 / 253 (0.92x the two GEMMs); NVFP4 521 / 268
+against 471 / 258 (1.08x: its decode).
 """
 
 from __future__ import annotations
@@ -82,6 +84,12 @@ def widths_for(counts) -> tuple[int, ...]:
     return tuple(sorted({8 * -(-int(count) // 8) for count in counts if count > 0}))
 
 
+def expert_widths(counts, widths) -> list[int]:
+    """The width each expert multiplies by: the narrowest of `widths` that holds its
+    count (the kernel's `width_of`)."""
+    return [min([w for w in widths if w >= count] or [max(widths)]) for count in counts]
+
+
 @functools.cache
 def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int, stages: int, leave_out: str = ""):
     """(kernel(act, weights, counts, out), shared words) for weights `spec` of shape (n,
@@ -116,7 +124,7 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
     @ptx.device
     def issue_stage(act, weights, step, buffer, expert, first_chunk, width, shared):
         """One thread's bulk copies of `step` (none past the last) into `buffer`: the
-        weights, and the first `width` slots of each slab's activations."""
+        weights, and the stage's activations (its slabs at `width` slots, one copy)."""
         if step < uint32(steps):
             barrier = uint32(barriers) + uint32(2) * buffer
             ptx.mbarrier_expect_bytes(shared, barrier, uint32(4 * w_words) + (
@@ -124,10 +132,9 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
             copy_bulk(weights, expert, first_chunk, first_chunk + uint32(chunks // 2), step * uint32(STAGE_SLABS),
                       shared, buffer * uint32(w_words), barrier)
             if copy_act:
-                for slab in range(STAGE_SLABS):
-                    ptx.bulk_copy(shared, uint32(b_ring + slab * slots * 8) + buffer * uint32(b_words), act,
-                                  (expert * uint32(steps) + step) * uint32(b_words) + uint32(slab * slots * 8),
-                                  uint32(32) * width, barrier)
+                ptx.bulk_copy(shared, uint32(b_ring) + buffer * uint32(b_words), act,
+                              (expert * uint32(steps) + step) * uint32(b_words), uint32(STAGE_SLABS * 32) * width,
+                              barrier)
 
     @ptx.device
     def decode_slab(weights, expert, step, b, local_slab, chunk, first_chunk, lane, shared, raw, params, frags):
@@ -187,7 +194,7 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
         @ptx.device
         def multiply_tile(shared, a_base, b_base, acc):
             multiply(shared, a_base + uint32((slab * chunks + chunk) * TILE_WORDS), CORE_LBO, CORE_SBO,
-                     b_base + uint32(slab * slots * 8), CORE_LBO, CORE_SBO, acc, chunk * regs)
+                     b_base + uint32(slab * width * 8), CORE_LBO, CORE_SBO, acc, chunk * regs)
 
         return multiply_tile
 
@@ -216,26 +223,6 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
 
         return step
 
-    def consumer_loop(index: int, width: int):
-        """The consumer's whole main loop at widths[index], if that is the CTA's width: a
-        loop a width, so that each loop's wgmma are the only writers of the accumulators
-        they use (one loop with a branch a stage made ptxas inject warpgroup arrives,
-        warning C7519)."""
-        consume_round = functools.reduce(chain, [consumer_step(b, width) for b in range(stages)])
-
-        @ptx.device
-        def run(width_index, shared, acc):
-            if width_index == uint32(index):
-                first = uint32(0)
-                while first < uint32(steps):
-                    consume_round(first, shared, acc)
-                    first += uint32(stages)
-
-        return run
-
-    produce_round = functools.reduce(chain, [producer_step(b) for b in range(stages)])
-    consume = functools.reduce(chain, [consumer_loop(i, width) for i, width in enumerate(widths)])
-
     def column_tile(chunk: int, c: int):
         """(zero, store) of one n8 column tile's four accumulators: features `row` and
         row + 8 of chunk `chunk`, slots 8c + `col` and + 1. Built per tile in Python, so
@@ -257,9 +244,32 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
 
         return zero, store
 
-    columns = [column_tile(chunk, c) for chunk in range(chunks) for c in range(slots // 8)]
-    zero_accumulators = functools.reduce(chain, [zero for zero, _ in columns])
-    store_outputs = functools.reduce(chain, [store for _, store in columns])
+    def consumer(index: int, width: int):
+        """The consumer's whole part at widths[index], if that is the CTA's width: zero
+        the width's accumulators, the main loop, store them. A path a width, so that no
+        instruction but that width's wgmma defines its accumulators between them (one
+        loop with a branch a stage made ptxas inject warpgroup arrives, C7519; zeroing and
+        stores shared by the widths serialised the wgmma, C7515)."""
+        consume_round = functools.reduce(chain, [consumer_step(b, width) for b in range(stages)])
+        columns = [column_tile(chunk, c) for chunk in range(chunks) for c in range(width // 8)]
+        zero_accumulators = functools.reduce(chain, [zero for zero, _ in columns])
+        store_outputs = functools.reduce(chain, [store for _, store in columns])
+
+        @ptx.device
+        def run(width_index, shared, acc, weights, out, expert, row, col):
+            if width_index == uint32(index):
+                zero_accumulators(acc)
+                first = uint32(0)
+                while first < uint32(steps):
+                    consume_round(first, shared, acc)
+                    first += uint32(stages)
+                wait_all_mma()
+                store_outputs(acc, output_scale(weights, expert), out, expert, row, col)
+
+        return run
+
+    produce_round = functools.reduce(chain, [producer_step(b) for b in range(stages)])
+    consume = functools.reduce(chain, [consumer(i, width) for i, width in enumerate(widths)])
 
     @ptx.device
     def width_of(count):
@@ -297,23 +307,24 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
                 first += uint32(stages)
         else:
             acc = cuda.local.array(accumulators, float32)
-            zero_accumulators(acc)
-            consume(width_index, shared, acc)
-            wait_all_mma()
-            store_outputs(acc, output_scale(weights, expert), out, expert,
-                          first_chunk * uint32(CHUNK_N) + (tid // uint32(32)) * uint32(16) + (tid % uint32(32)) // uint32(4),
-                          uint32(2) * (tid % uint32(4)))
+            consume(width_index, shared, acc, weights, out, expert,
+                    first_chunk * uint32(CHUNK_N) + (tid // uint32(32)) * uint32(16) + (tid % uint32(32)) // uint32(4),
+                    uint32(2) * (tid % uint32(4)))
 
     return bound, barriers + 2 * stages
 
 
-def stage_blocks(act: torch.Tensor) -> torch.Tensor:
-    """Activations (experts, slots, k) -> (experts, k / 64, stage's words): each stage's
-    halves in the order its B tiles hold them (slab, 8 slots, 8 of K, slot, 8 halves),
-    so that one bulk copy fills a stage."""
+def stage_blocks(act: torch.Tensor, widths: list[int]) -> torch.Tensor:
+    """Activations (experts, slots, k) -> (experts, k / 64, stage's words at `slots`):
+    each stage's first widths[e] slots in the order its B tiles hold them (slab, 8
+    slots, 8 of K, slot, 8 halves), so that one bulk copy of an expert's width fills a
+    stage."""
     experts, slots, k = act.shape
-    blocks = act.view(experts, slots // 8, 8, k // STEP_K, STAGE_SLABS, 2, 8).permute(0, 3, 4, 1, 5, 2, 6)
-    return blocks.contiguous().view(torch.int32).view(experts, k // STEP_K, -1)
+    blocks = torch.zeros(experts, k // STEP_K, STAGE_SLABS * slots * 8, dtype=torch.int32, device=act.device)
+    for e, width in enumerate(widths):
+        tiles = act[e, :width].reshape(width // 8, 8, k // STEP_K, STAGE_SLABS, 2, 8).permute(2, 3, 0, 4, 1, 5)
+        blocks[e, :, :STAGE_SLABS * width * 8] = tiles.contiguous().view(torch.int32).view(k // STEP_K, -1)
+    return blocks
 
 
 def bound_inputs(spec, experts: int, n: int, k: int, slots: int, seed: int, device, *, sample_n: int = 256):
@@ -353,8 +364,8 @@ def bound_error(spec, counts: list[int], n: int, k: int, chunks: int, stages: in
     widths = widths_for(counts)
     act, weights, dense = bound_inputs(spec, len(counts), n, k, max(widths), 0, device, sample_n=n // 2)
     out = torch.zeros(len(counts), max(widths), n, dtype=torch.float32, device=device)
-    run_bound(stage_blocks(act), weights, torch.tensor(counts, dtype=torch.int32, device=device), widths, out, chunks,
-              stages)
+    run_bound(stage_blocks(act, expert_widths(counts, widths)), weights,
+              torch.tensor(counts, dtype=torch.int32, device=device), widths, out, chunks, stages)
     reference = act.double().cpu() @ dense.to(torch.bfloat16).double().transpose(1, 2)
     slots = torch.arange(max(widths)).view(1, -1, 1) < torch.tensor(counts).view(-1, 1, 1)  # the rows computed
     return float(torch.where(slots, out.double().cpu() - reference, 0).abs().max()
@@ -409,7 +420,7 @@ def main(argv=None) -> None:
         print(f"{name} (N {n}, K {k}): the layer's own {own * 1e3:.1f} us at M = {args.tokens} "
               f"({2 * args.tokens * config.top_k * n * k / (own * 1e-3) / rate:.2f} of the matmul rate)")
         act, weights, _ = bound_inputs(spec, config.num_experts, n, k, max(widths), 1, "cuda")
-        act = stage_blocks(act)
+        act = stage_blocks(act, expert_widths(counts.tolist(), widths))
         out = torch.empty(config.num_experts, max(widths), n, dtype=torch.float32, device="cuda")
         for chunks, stages, leave_out in args.variants:
             ms = timer(captured(functools.partial(run_bound, act, weights, counts, widths, out, chunks, stages,
