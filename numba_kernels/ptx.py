@@ -21,8 +21,6 @@ helper                   PTX                                 used for
 ``load_words[n](a, i)``  ld.global.nc{,.v2,.v4}.u32          n weight words at flat element i
 ``load_written[n](a, i)`` ld.global{,.v2,.v4}.u32            n words an earlier kernel wrote
 ``load_shared[n](s, i)`` ld.shared{,.v2,.v4}.u32             n words of a shared array
-``store_shared4(s, i,    st.shared.v4.u32                    a decoded row of a core
-w0, w1, w2, w3)``                                            matrix, in one store
 ``load_coherent(a, i)``  ld.global.cg.u32                    a word other CTAs wrote
 ``arrive(a, i)``         atom.acq_rel.gpu.global.add.u32     publish a CTA's stores
 ``copy_async(s, i, a,    cp.async.cg.shared.global 16        prefill: global -> shared
@@ -395,27 +393,28 @@ def _statement(asm, operand_types=(), constraints=""):
     return emit
 
 
-def _gpu_shared_store4(asm: str):
-    """An intrinsic (shared, i, w0, w1, w2, w3) emitting `asm` on the shared address of
-    flat word i ($0) and four words ($1 .. $4): st.shared.v4, or a warp's stmatrix."""
+def _gpu_store_matrix4():
+    """store_matrix4(shared, i, r0, r1, r2, r3) as an intrinsic: a warp's stmatrix .x4,
+    this lane naming a row at flat word i."""
     from llvmlite import ir
     from numba.cuda.extending import intrinsic
 
     @intrinsic
-    def store4(typingctx, shared, offset, w0, w1, w2, w3):
+    def store_matrix4(typingctx, shared, offset, w0, w1, w2, w3):
         _check_flat(shared, offset)
         if not all(isinstance(w, types.Integer) for w in (w0, w1, w2, w3)):
-            raise TypeError(f"a shared store of four words takes integer words, got {w0}, {w1}, {w2}, {w3}")
+            raise TypeError(f"store_matrix4 stores integer registers, got {w0}, {w1}, {w2}, {w3}")
 
         def codegen(context, builder, sig, args):
             target = _shared_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
             words = [context.cast(builder, args[i], sig.args[i], types.uint32) for i in range(2, 6)]
-            _statement(asm, [target.type] + [ir.IntType(32)] * 4, "l,r,r,r,r")(builder, [target] + words)
+            _statement("stmatrix.sync.aligned.m8n8.x4.shared.b16 [$0], {$1, $2, $3, $4};",
+                       [target.type] + [ir.IntType(32)] * 4, "l,r,r,r,r")(builder, [target] + words)
             return context.get_dummy_value()
 
         return types.void(shared, offset, w0, w1, w2, w3), codegen
 
-    return store4
+    return store_matrix4
 
 
 def _gpu_async_copies():
@@ -689,8 +688,7 @@ ldmatrix4 = twins.ldmatrix4 if SIMULATED else _gpu_read(
     "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];", 4, _shared_pointer, in_place=True)
 # store_matrix4(shared, i, r0, r1, r2, r3): the warp's four 8x8 half matrices from its
 # registers, lane l naming a row at word i (module docstring).
-store_matrix4 = twins.store_matrix4 if SIMULATED else _gpu_shared_store4(
-    "stmatrix.sync.aligned.m8n8.x4.shared.b16 [$0], {$1, $2, $3, $4};")
+store_matrix4 = twins.store_matrix4 if SIMULATED else _gpu_store_matrix4()
 # Programmatic dependent launch (module docstring): wait_for_previous() blocks until the
 # kernel before has finished; release_next() lets the kernel after start launching.
 wait_for_previous = twins.no_op if SIMULATED else _gpu_statement("griddepcontrol.wait;", hopper)
@@ -709,9 +707,6 @@ async_proxy_fence = twins.no_op if SIMULATED else _gpu_statement("fence.proxy.as
 # bulk_copy(shared, i, source, j, bytes, m): `bytes` from flat element j of a global array
 # to shared word i in one copy, counted on the mbarrier at word m (module docstring).
 mbarrier_init, mbarrier_expect_bytes, mbarrier_wait, bulk_copy = twins.mbarriers() if SIMULATED else _gpu_mbarriers()
-# store_shared4(shared, i, w0, w1, w2, w3): four words to a uint32 shared array at flat
-# word i (16-byte aligned) in one store: a thread's decoded row of a core matrix.
-store_shared4 = twins.store_words if SIMULATED else _gpu_shared_store4("st.shared.v4.u32 [$0], {$1, $2, $3, $4};")
 _load4 = load_written[4]
 # and_or(a, mask, bits) = (a & mask) | bits in one instruction (ptxas splits the pair when
 # both constants are immediates): the int4 code -> magic-half step of dequantisation.

@@ -419,11 +419,6 @@ def store_matrix4(shared, offset, r0, r1, r2, r3):
     warp.meet(lane, (int(offset), tuple(np.uint32(int(r) & 0xFFFFFFFF) for r in (r0, r1, r2, r3))), store)
 
 
-def store_words(shared, offset, w0, w1, w2, w3):
-    """st.shared.v4: four words at flat word `offset` of a uint32 shared array."""
-    shared.reshape(-1)[int(offset):int(offset) + 4] = [np.uint32(int(w) & 0xFFFFFFFF) for w in (w0, w1, w2, w3)]
-
-
 class NamedBarrier:
     """One of a simulated block's 16 hardware barriers: `threads` arrivals complete a
     phase; an arriving thread waits for its phase to complete (bar.sync) or goes on

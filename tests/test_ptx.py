@@ -399,23 +399,6 @@ def test_mbarrier_twin_rejects_misuse():
             run[1, 1](case, source)
 
 
-def test_store_shared4_writes_four_words_in_place():
-    @ptx.kernel
-    def run(words, seen):
-        i = cuda.threadIdx.x
-        tile = cuda.shared.array(128, uint32)
-        ptx.store_shared4(tile, 4 * ((i + 3) % 32), words[i, 0], words[i, 1], words[i, 2], words[i, 3])
-        cuda.syncthreads()
-        for w in range(4):
-            seen[i, w] = tile[4 * i + w]
-
-    rng = np.random.default_rng(5)
-    words = rng.integers(0, 2**32, (32, 4), dtype=np.uint64).astype(np.uint32)
-    seen = np.zeros((32, 4), np.uint32)
-    run[1, 32](words.view(np.int32), seen)
-    np.testing.assert_array_equal(seen, words[(np.arange(32) - 3) % 32])
-
-
 def test_ldmatrix_gives_the_mma_a_fragments_of_a_padded_shared_tile():
     @ptx.kernel
     def run(a_words, frags):
