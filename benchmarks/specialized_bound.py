@@ -61,12 +61,12 @@ import torch
 import numba_kernels  # noqa: F401  (before numba: no simulator on a GPU machine)
 from layouts import formats
 from layouts.samples import random_quantized
-from numba import cuda, float32, uint32
+from numba import cuda, float32, int32, uint32
 from numba_kernels import interop, ptx
 from numba_kernels.fragments import CHUNK_N, SLAB_K, bulk_staging_supported, fragment_reader, staged_weights
 from numba_kernels.gemm_plan import chain
 from numba_kernels.launch import launch_kernel
-from numba_kernels.weights import KernelWeights
+from numba_kernels.weights import SLOTS, KernelWeights
 
 HALF = "bfloat16"
 STAGE_SLABS = 4  # slabs of 16 of K a pipeline stage
@@ -91,7 +91,8 @@ def expert_widths(counts, widths) -> list[int]:
 
 
 @functools.cache
-def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int, stages: int, leave_out: str = ""):
+def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int, stages: int, leave_out: str = "",
+                      one_copy: bool = False):
     """(kernel(act, weights, counts, out), shared words) for weights `spec` of shape (n,
     k) an expert, `chunks` chunks a CTA and a `stages`-deep ring; an expert of
     counts[e] slots multiplies its stages by the narrowest of `widths` (wgmma's N, a
@@ -99,7 +100,9 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
     it has (`act` as `stage_blocks` stores it, max(widths) rows an expert; `weights` the
     `KernelWeights` arrays); grid (n / (64 chunks), experts), 128 + 64 chunks threads.
     `leave_out` one of LEFT_OUT, timing only (wrong results): what the loop costs
-    without it."""
+    without it. `one_copy`: each stage's weights in one bulk copy from `stage_image`,
+    passed after the weights' arrays (what a layout stored stage by stage would give),
+    instead of `copy_bulk`'s copy a slab and a group."""
     if (not bulk_staging_supported(spec, n, k, HALF, chunks, STAGE_SLABS) or not 2 <= stages <= 7 or not widths
             or not set(widths) <= set(ptx.WARPGROUP_COLUMNS) or leave_out not in LEFT_OUT):
         raise ValueError(f"{spec.name} at (n={n}, k={k}) in bulk-copied stages of {STEP_K} of K and {chunks} chunks, "
@@ -107,7 +110,7 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
                          f"widths={widths}; leave_out one of {LEFT_OUT}, got {leave_out!r}")
     slots = max(widths)  # rows of an expert's activations (and outputs)
     producers = 64 * chunks
-    threads, steps = 128 + producers, k // STEP_K
+    threads, steps, image_slot = 128 + producers, k // STEP_K, len(SLOTS)
     staged = staged_weights(spec, n, k, HALF, chunks, STAGE_SLABS, producers)
     reader = fragment_reader(spec, n, k, HALF)
     fetch, copy_bulk, decode = staged.fetch, staged.copy_bulk, reader.decode
@@ -129,8 +132,13 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
             barrier = uint32(barriers) + uint32(2) * buffer
             ptx.mbarrier_expect_bytes(shared, barrier, uint32(4 * w_words) + (
                 uint32(STAGE_SLABS * 32) * width if copy_act else uint32(0)))
-            copy_bulk(weights, expert, first_chunk, first_chunk + uint32(chunks // 2), step * uint32(STAGE_SLABS),
-                      shared, buffer * uint32(w_words), barrier)
+            if one_copy:
+                stage = (expert * uint32(n // (CHUNK_N * chunks)) + first_chunk // uint32(chunks)) * uint32(steps) + step
+                ptx.bulk_copy(shared, buffer * uint32(w_words), weights[image_slot], stage * uint32(w_words),
+                              uint32(4 * w_words), barrier)
+            else:
+                copy_bulk(weights, expert, first_chunk, first_chunk + uint32(chunks // 2), step * uint32(STAGE_SLABS),
+                          shared, buffer * uint32(w_words), barrier)
             if copy_act:
                 ptx.bulk_copy(shared, uint32(b_ring) + buffer * uint32(b_words), act,
                               (expert * uint32(steps) + step) * uint32(b_words), uint32(STAGE_SLABS * 32) * width,
@@ -314,6 +322,48 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
     return bound, barriers + 2 * stages
 
 
+@functools.cache
+def make_image_kernel(spec, n: int, k: int, chunks: int):
+    """(kernel(weights, image), a stage's words): a CTA (feature tile, expert, step)
+    stages its weights with `copy_bulk` and writes the stage's shared words to `image`
+    in that order, so that one copy of a stage's words fills the same stage."""
+    staged = staged_weights(spec, n, k, HALF, chunks, STAGE_SLABS, 64 * chunks)
+    copy_bulk, w_words, tiles, steps = staged.copy_bulk, staged.stage_words, n // (CHUNK_N * chunks), k // STEP_K
+    barrier = 2 * -(-w_words // 2)  # the mbarrier's word, even, after the stage
+
+    @ptx.kernel
+    def image_kernel(weights, image):
+        shared = cuda.shared.array(0, uint32)
+        tid, ftile, expert, step = (uint32(cuda.threadIdx.x), uint32(cuda.blockIdx.x), uint32(cuda.blockIdx.y),
+                                    uint32(cuda.blockIdx.z))
+        if tid == uint32(0):
+            ptx.mbarrier_init(shared, barrier, 1)
+        cuda.syncthreads()
+        if tid == uint32(0):
+            ptx.mbarrier_expect_bytes(shared, barrier, 4 * w_words)
+            copy_bulk(weights, expert, ftile * uint32(chunks), ftile * uint32(chunks) + uint32(chunks // 2),
+                      step * uint32(STAGE_SLABS), shared, uint32(0), barrier)
+        ptx.mbarrier_wait(shared, barrier, 0)
+        first = ((expert * uint32(tiles) + ftile) * uint32(steps) + step) * uint32(w_words)
+        for word in range(tid, w_words, cuda.blockDim.x):
+            image[first + uint32(word)] = int32(shared[word])
+
+    return image_kernel, w_words, barrier + 2
+
+
+def stage_image(weights, chunks: int) -> torch.Tensor:
+    """The weights (`KernelWeights`) stored stage by stage, as `copy_bulk` stages them
+    for CTAs of `chunks` chunks: one bulk copy a stage (`make_bound_kernel`'s
+    `one_copy`)."""
+    experts, n, k = weights.shape
+    kernel, w_words, words = make_image_kernel(weights.spec, n, k, chunks)
+    tiles = n // (CHUNK_N * chunks)
+    image = torch.empty(experts * tiles * (k // STEP_K) * w_words, dtype=torch.int32, device=weights.tensors[0].device)
+    launch_kernel(kernel, (tiles, experts, k // STEP_K), 128, weights.arrays(), interop.to_kernel(image),
+                  shared_bytes=4 * words)
+    return image
+
+
 def stage_blocks(act: torch.Tensor, widths: list[int]) -> torch.Tensor:
     """Activations (experts, slots, k) -> (experts, k / 64, stage's words at `slots`):
     each stage's first widths[e] slots in the order its B tiles hold them (slab, 8
@@ -348,24 +398,30 @@ def bound_inputs(spec, experts: int, n: int, k: int, slots: int, seed: int, devi
     return act, weights, dense.repeat(experts, n // sample_n, 1)
 
 
-def run_bound(act, weights, counts, widths, out, chunks: int, stages: int, leave_out: str = ""):
+def run_bound(act, weights, counts, widths, out, chunks: int, stages: int, leave_out: str = "", image=None):
     """Launch the bound kernel on torch's stream: `act` as `stage_blocks` stores it,
     `counts` (experts,) int32 slots an expert on the GPU, `widths` what `widths_for`
-    gives for them."""
+    gives for them; `image` (`stage_image` of the weights at `chunks`): the weights
+    copied from it, one copy a stage."""
     experts, _, n = out.shape
-    kernel, words = make_bound_kernel(weights.spec, n, weights.shape[2], widths, chunks, stages, leave_out)
-    launch_kernel(kernel, (n // (CHUNK_N * chunks), experts), 128 + 64 * chunks, interop.to_kernel(act),
-                  weights.arrays(), interop.to_kernel(counts), interop.to_kernel(out), shared_bytes=4 * words)
+    kernel, words = make_bound_kernel(weights.spec, n, weights.shape[2], widths, chunks, stages, leave_out,
+                                      image is not None)
+    arrays = weights.arrays() + ((interop.to_kernel(image),) if image is not None else ())
+    launch_kernel(kernel, (n // (CHUNK_N * chunks), experts), 128 + 64 * chunks, interop.to_kernel(act), arrays,
+                  interop.to_kernel(counts), interop.to_kernel(out), shared_bytes=4 * words)
 
 
-def bound_error(spec, counts: list[int], n: int, k: int, chunks: int, stages: int, device) -> float:
+def bound_error(spec, counts: list[int], n: int, k: int, chunks: int, stages: int, device, *,
+                one_copy: bool = False) -> float:
     """Largest error of the bound kernel's output (experts of `counts` slots) against
-    float64 torch, relative to the output's largest magnitude."""
+    float64 torch, relative to the output's largest magnitude (`one_copy`: the weights
+    from their `stage_image`)."""
     widths = widths_for(counts)
     act, weights, dense = bound_inputs(spec, len(counts), n, k, max(widths), 0, device, sample_n=n // 2)
     out = torch.zeros(len(counts), max(widths), n, dtype=torch.float32, device=device)
     run_bound(stage_blocks(act, expert_widths(counts, widths)), weights,
-              torch.tensor(counts, dtype=torch.int32, device=device), widths, out, chunks, stages)
+              torch.tensor(counts, dtype=torch.int32, device=device), widths, out, chunks, stages,
+              image=stage_image(weights, chunks) if one_copy else None)
     reference = act.double().cpu() @ dense.to(torch.bfloat16).double().transpose(1, 2)
     slots = torch.arange(max(widths)).view(1, -1, 1) < torch.tensor(counts).view(-1, 1, 1)  # the rows computed
     return float(torch.where(slots, out.double().cpu() - reference, 0).abs().max()
@@ -394,6 +450,9 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", type=int, default=256, help="Mixtral tokens for the layer's own GEMMs")
     parser.add_argument("--one-width", action="store_true",
                         help="every expert's wgmma as wide as the most slots an expert has (one compiled width)")
+    parser.add_argument("--one-copy", action="store_true",
+                        help="each stage's weights in one bulk copy, from the weights stored stage by stage "
+                             "(`stage_image`): what such a layout would gain")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("it times kernels on a CUDA GPU and none is available here (its check runs in the simulator: "
@@ -402,7 +461,7 @@ def main(argv=None) -> None:
     rate = matmul_rate(timer)
     print(f"{torch.cuda.get_device_name()}; bf16 matmul {rate / 1e12:.0f} TFLOP/s; {args.format}")
     for chunks, stages in sorted({(chunks, stages) for chunks, stages, _ in args.variants}):
-        error = bound_error(spec, [37, 64], 512, 512, chunks, stages, "cuda")
+        error = bound_error(spec, [37, 64], 512, 512, chunks, stages, "cuda", one_copy=args.one_copy)
         print(f"check, {chunks} chunks, {stages} stages: largest error {error:.1e} of the largest output")
     _, _, _, layer, hidden, topk_weights, topk_ids = next(routed_batches(["mixtral"], [args.format], [args.tokens],
                                                                         generator))
@@ -412,7 +471,8 @@ def main(argv=None) -> None:
               torch.bincount(topk_ids.flatten().long(), minlength=config.num_experts)).to(torch.int32).cuda()
     widths = widths_for(counts.tolist())
     widths = widths[-1:] if args.one_width else widths
-    print(f"slots an expert {counts.tolist()}: wgmma widths {widths}")
+    print(f"slots an expert {counts.tolist()}: wgmma widths {widths}"
+          f"{'; weights in one copy a stage' if args.one_copy else ''}")
     for name, gemm, n, k in (("gemm1", gemms[0], 2 * config.intermediate_size, config.hidden_size),
                              ("gemm2", gemms[1], config.hidden_size, config.intermediate_size)):
         own = timer(captured(gemm))
@@ -422,13 +482,14 @@ def main(argv=None) -> None:
         act, weights, _ = bound_inputs(spec, config.num_experts, n, k, max(widths), 1, "cuda")
         act = stage_blocks(act, expert_widths(counts.tolist(), widths))
         out = torch.empty(config.num_experts, max(widths), n, dtype=torch.float32, device="cuda")
+        images = {chunks: stage_image(weights, chunks) if args.one_copy else None for chunks, _, _ in args.variants}
         for chunks, stages, leave_out in args.variants:
             ms = timer(captured(functools.partial(run_bound, act, weights, counts, widths, out, chunks, stages,
-                                                  leave_out)))
+                                                  leave_out, images[chunks])))
             without = f", without {leave_out}" if leave_out else ""
             print(f"  bound, {int(counts.sum())} slots, {chunks} chunks, {stages} stages{without}: "
                   f"{ms * 1e3:.1f} us ({flops / (ms * 1e-3) / rate:.2f} of the matmul rate)", flush=True)
-        del act, weights, out
+        del act, weights, out, images
 
 
 if __name__ == "__main__":
