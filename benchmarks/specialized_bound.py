@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 
 import numpy as np
 import torch
@@ -92,7 +93,7 @@ def expert_widths(counts, widths) -> list[int]:
 
 @functools.cache
 def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int, stages: int, leave_out: str = "",
-                      one_copy: bool = False):
+                      image_copies: int = 0):
     """(kernel(act, weights, counts, out), shared words) for weights `spec` of shape (n,
     k) an expert, `chunks` chunks a CTA and a `stages`-deep ring; an expert of
     counts[e] slots multiplies its stages by the narrowest of `widths` (wgmma's N, a
@@ -100,9 +101,10 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
     it has (`act` as `stage_blocks` stores it, max(widths) rows an expert; `weights` the
     `KernelWeights` arrays); grid (n / (64 chunks), experts), 128 + 64 chunks threads.
     `leave_out` one of LEFT_OUT, timing only (wrong results): what the loop costs
-    without it. `one_copy`: each stage's weights in one bulk copy from `stage_image`,
-    passed after the weights' arrays (what a layout stored stage by stage would give),
-    instead of `copy_bulk`'s copy a slab and a group."""
+    without it. `image_copies` > 0: each stage's weights from `stage_image`, passed
+    after the weights' arrays (what a layout stored stage by stage would give), in that
+    many bulk copies of about equal size, instead of `copy_bulk`'s copy a slab and a
+    group from the native layout."""
     if (not bulk_staging_supported(spec, n, k, HALF, chunks, STAGE_SLABS) or not 2 <= stages <= 7 or not widths
             or not set(widths) <= set(ptx.WARPGROUP_COLUMNS) or leave_out not in LEFT_OUT):
         raise ValueError(f"{spec.name} at (n={n}, k={k}) in bulk-copied stages of {STEP_K} of K and {chunks} chunks, "
@@ -112,6 +114,8 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
     producers = 64 * chunks
     threads, steps, image_slot = 128 + producers, k // STEP_K, len(SLOTS)
     staged = staged_weights(spec, n, k, HALF, chunks, STAGE_SLABS, producers)
+    # The image copies' bounds, in words: 16-byte units split about evenly.
+    bounds = tuple(4 * (i * staged.stage_words // 4 // max(image_copies, 1)) for i in range(image_copies + 1))
     reader = fragment_reader(spec, n, k, HALF)
     fetch, copy_bulk, decode = staged.fetch, staged.copy_bulk, reader.decode
     output_scale, raw_words = reader.output_scale, reader.raw_words
@@ -132,10 +136,12 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
             barrier = uint32(barriers) + uint32(2) * buffer
             ptx.mbarrier_expect_bytes(shared, barrier, uint32(4 * w_words) + (
                 uint32(STAGE_SLABS * 32) * width if copy_act else uint32(0)))
-            if one_copy:
+            if image_copies:
                 stage = (expert * uint32(n // (CHUNK_N * chunks)) + first_chunk // uint32(chunks)) * uint32(steps) + step
-                ptx.bulk_copy(shared, buffer * uint32(w_words), weights[image_slot], stage * uint32(w_words),
-                              uint32(4 * w_words), barrier)
+                for c in range(image_copies):
+                    ptx.bulk_copy(shared, buffer * uint32(w_words) + uint32(bounds[c]), weights[image_slot],
+                                  stage * uint32(w_words) + uint32(bounds[c]), uint32(4 * (bounds[c + 1] - bounds[c])),
+                                  barrier)
             else:
                 copy_bulk(weights, expert, first_chunk, first_chunk + uint32(chunks // 2), step * uint32(STAGE_SLABS),
                           shared, buffer * uint32(w_words), barrier)
@@ -354,7 +360,7 @@ def make_image_kernel(spec, n: int, k: int, chunks: int):
 def stage_image(weights, chunks: int) -> torch.Tensor:
     """The weights (`KernelWeights`) stored stage by stage, as `copy_bulk` stages them
     for CTAs of `chunks` chunks: one bulk copy a stage (`make_bound_kernel`'s
-    `one_copy`)."""
+    `image_copies`)."""
     experts, n, k = weights.shape
     kernel, w_words, words = make_image_kernel(weights.spec, n, k, chunks)
     tiles = n // (CHUNK_N * chunks)
@@ -398,30 +404,31 @@ def bound_inputs(spec, experts: int, n: int, k: int, slots: int, seed: int, devi
     return act, weights, dense.repeat(experts, n // sample_n, 1)
 
 
-def run_bound(act, weights, counts, widths, out, chunks: int, stages: int, leave_out: str = "", image=None):
+def run_bound(act, weights, counts, widths, out, chunks: int, stages: int, leave_out: str = "", image=None,
+              image_copies: int = 1):
     """Launch the bound kernel on torch's stream: `act` as `stage_blocks` stores it,
     `counts` (experts,) int32 slots an expert on the GPU, `widths` what `widths_for`
     gives for them; `image` (`stage_image` of the weights at `chunks`): the weights
-    copied from it, one copy a stage."""
+    copied from it, `image_copies` copies a stage."""
     experts, _, n = out.shape
     kernel, words = make_bound_kernel(weights.spec, n, weights.shape[2], widths, chunks, stages, leave_out,
-                                      image is not None)
+                                      image_copies if image is not None else 0)
     arrays = weights.arrays() + ((interop.to_kernel(image),) if image is not None else ())
     launch_kernel(kernel, (n // (CHUNK_N * chunks), experts), 128 + 64 * chunks, interop.to_kernel(act), arrays,
                   interop.to_kernel(counts), interop.to_kernel(out), shared_bytes=4 * words)
 
 
 def bound_error(spec, counts: list[int], n: int, k: int, chunks: int, stages: int, device, *,
-                one_copy: bool = False) -> float:
+                image_copies: int = 0) -> float:
     """Largest error of the bound kernel's output (experts of `counts` slots) against
-    float64 torch, relative to the output's largest magnitude (`one_copy`: the weights
-    from their `stage_image`)."""
+    float64 torch, relative to the output's largest magnitude (`image_copies` > 0: the
+    weights from their `stage_image`, in that many copies a stage)."""
     widths = widths_for(counts)
     act, weights, dense = bound_inputs(spec, len(counts), n, k, max(widths), 0, device, sample_n=n // 2)
     out = torch.zeros(len(counts), max(widths), n, dtype=torch.float32, device=device)
     run_bound(stage_blocks(act, expert_widths(counts, widths)), weights,
               torch.tensor(counts, dtype=torch.int32, device=device), widths, out, chunks, stages,
-              image=stage_image(weights, chunks) if one_copy else None)
+              image=stage_image(weights, chunks) if image_copies else None, image_copies=image_copies)
     reference = act.double().cpu() @ dense.to(torch.bfloat16).double().transpose(1, 2)
     slots = torch.arange(max(widths)).view(1, -1, 1) < torch.tensor(counts).view(-1, 1, 1)  # the rows computed
     return float(torch.where(slots, out.double().cpu() - reference, 0).abs().max()
@@ -450,9 +457,9 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", type=int, default=256, help="Mixtral tokens for the layer's own GEMMs")
     parser.add_argument("--one-width", action="store_true",
                         help="every expert's wgmma as wide as the most slots an expert has (one compiled width)")
-    parser.add_argument("--one-copy", action="store_true",
-                        help="each stage's weights in one bulk copy, from the weights stored stage by stage "
-                             "(`stage_image`): what such a layout would gain")
+    parser.add_argument("--image-copies", type=int, nargs="+", default=[0],
+                        help="copies a stage of the weights: 0 from the native layout (a copy a slab and a group), "
+                             "n > 0 in n about equal copies from the weights stored stage by stage (`stage_image`)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("it times kernels on a CUDA GPU and none is available here (its check runs in the simulator: "
@@ -461,7 +468,7 @@ def main(argv=None) -> None:
     rate = matmul_rate(timer)
     print(f"{torch.cuda.get_device_name()}; bf16 matmul {rate / 1e12:.0f} TFLOP/s; {args.format}")
     for chunks, stages in sorted({(chunks, stages) for chunks, stages, _ in args.variants}):
-        error = bound_error(spec, [37, 64], 512, 512, chunks, stages, "cuda", one_copy=args.one_copy)
+        error = bound_error(spec, [37, 64], 512, 512, chunks, stages, "cuda", image_copies=max(args.image_copies))
         print(f"check, {chunks} chunks, {stages} stages: largest error {error:.1e} of the largest output")
     _, _, _, layer, hidden, topk_weights, topk_ids = next(routed_batches(["mixtral"], [args.format], [args.tokens],
                                                                         generator))
@@ -471,8 +478,7 @@ def main(argv=None) -> None:
               torch.bincount(topk_ids.flatten().long(), minlength=config.num_experts)).to(torch.int32).cuda()
     widths = widths_for(counts.tolist())
     widths = widths[-1:] if args.one_width else widths
-    print(f"slots an expert {counts.tolist()}: wgmma widths {widths}"
-          f"{'; weights in one copy a stage' if args.one_copy else ''}")
+    print(f"slots an expert {counts.tolist()}: wgmma widths {widths}")
     for name, gemm, n, k in (("gemm1", gemms[0], 2 * config.intermediate_size, config.hidden_size),
                              ("gemm2", gemms[1], config.hidden_size, config.intermediate_size)):
         own = timer(captured(gemm))
@@ -482,12 +488,13 @@ def main(argv=None) -> None:
         act, weights, _ = bound_inputs(spec, config.num_experts, n, k, max(widths), 1, "cuda")
         act = stage_blocks(act, expert_widths(counts.tolist(), widths))
         out = torch.empty(config.num_experts, max(widths), n, dtype=torch.float32, device="cuda")
-        images = {chunks: stage_image(weights, chunks) if args.one_copy else None for chunks, _, _ in args.variants}
-        for chunks, stages, leave_out in args.variants:
+        images = {chunks: stage_image(weights, chunks) for chunks, _, _ in args.variants if any(args.image_copies)}
+        for (chunks, stages, leave_out), copies in itertools.product(args.variants, args.image_copies):
             ms = timer(captured(functools.partial(run_bound, act, weights, counts, widths, out, chunks, stages,
-                                                  leave_out, images[chunks])))
+                                                  leave_out, images.get(chunks) if copies else None, copies)))
             without = f", without {leave_out}" if leave_out else ""
-            print(f"  bound, {int(counts.sum())} slots, {chunks} chunks, {stages} stages{without}: "
+            source = f", weights in {copies} copies a stage of their image" if copies else ""
+            print(f"  bound, {int(counts.sum())} slots, {chunks} chunks, {stages} stages{without}{source}: "
                   f"{ms * 1e3:.1f} us ({flops / (ms * 1e-3) / rate:.2f} of the matmul rate)", flush=True)
         del act, weights, out, images
 
