@@ -1,6 +1,6 @@
 """What a warp-specialised prefill GEMM could reach at Mixtral's M = 256, on the GPU:
 
-    python3 benchmarks/specialized_bound.py [--format nvfp4] [--variants 2:3 2:4 2:3:act ...]
+    python3 benchmarks/specialized_bound.py [--format nvfp4] [--variants 2:3 2:4 2:3:act ...] [--image-copies 0 1]
 
 At 64 slots an expert the prefill tiles are latency-bound (Nsight Compute, fifty-fifth
 session of `benchmarks/LOG.md`): each warp decodes its weights and then feeds them to
@@ -46,8 +46,12 @@ w4a16 takes 442 / 232. With the layer's own routing (49 to 74 slots an expert, w
 session): a consumer path a width (zeroing, main loop and stores; shared zeroing or
 stores serialise the wgmma, ptxas warnings C7519 and C7515), and one activation copy a
 stage (each expert's stage blocks packed at its width; a copy a slab cost 11 % of gemm1
-at 64 slots an expert). w4a16 433 / 231 us against 469 / 253 (0.92x the two GEMMs); NVFP4 521 / 268
-against 471 / 258 (1.08x: its decode).
+at 64 slots an expert). w4a16 433 / 231 us against 469 / 253 (0.92x the two GEMMs);
+NVFP4 521 / 268 against 471 / 258 (1.08x: its decode). The weights' layout is the
+larger lever: from the weights stored stage by stage (`--image-copies`), w4a16 takes
+393 / 201 us in five copies a stage and 337 to 350 / 175 to 180 in one (0.71x to
+0.73x the layer's GEMMs; the native layout's five copies 430 / 229 in the same call),
+NVFP4 380 / 195 in one (0.79x): both the copies' locality and their count.
 """
 
 from __future__ import annotations
