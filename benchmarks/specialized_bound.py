@@ -1,6 +1,6 @@
 """What a warp-specialised prefill GEMM could reach at Mixtral's M = 256, on the GPU:
 
-    python3 benchmarks/specialized_bound.py [--format nvfp4] [--variants 2:3 2:4 2:3:act ...] [--image-copies 0 1]
+    python3 benchmarks/specialized_bound.py [--format nvfp4] [--variants 2:3 2:4 2:3:act ...] [--image-copies 0 1 tensors]
 
 At 64 slots an expert the prefill tiles are latency-bound (Nsight Compute, fifty-fifth
 session of `benchmarks/LOG.md`): each warp decodes its weights and then feeds them to
@@ -52,6 +52,8 @@ larger lever: from the weights stored stage by stage (`--image-copies`), w4a16 t
 393 / 201 us in five copies a stage and 337 to 350 / 175 to 180 in one (0.71x to
 0.73x the layer's GEMMs; the native layout's five copies 430 / 229 in the same call),
 NVFP4 380 / 195 in one (0.79x): both the copies' locality and their count.
+`--image-copies tensors` (a copy for the codes and one for the scales, as two tensors
+stored stage by stage would be copied) is not yet timed.
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ from layouts import formats
 from layouts.samples import random_quantized
 from numba import cuda, float32, int32, uint32
 from numba_kernels import interop, ptx
-from numba_kernels.fragments import CHUNK_N, SLAB_K, bulk_staging_supported, fragment_reader, staged_weights
+from numba_kernels.fragments import (CHUNK_N, SLAB_K, TileGeometry, bulk_staging_supported, fragment_reader,
+                                     staged_weights)
 from numba_kernels.gemm_plan import chain
 from numba_kernels.launch import launch_kernel
 from numba_kernels.weights import SLOTS, KernelWeights
@@ -97,7 +100,7 @@ def expert_widths(counts, widths) -> list[int]:
 
 @functools.cache
 def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int, stages: int, leave_out: str = "",
-                      image_copies: int = 0):
+                      image_copies: int | str = 0):
     """(kernel(act, weights, counts, out), shared words) for weights `spec` of shape (n,
     k) an expert, `chunks` chunks a CTA and a `stages`-deep ring; an expert of
     counts[e] slots multiplies its stages by the narrowest of `widths` (wgmma's N, a
@@ -105,10 +108,10 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
     it has (`act` as `stage_blocks` stores it, max(widths) rows an expert; `weights` the
     `KernelWeights` arrays); grid (n / (64 chunks), experts), 128 + 64 chunks threads.
     `leave_out` one of LEFT_OUT, timing only (wrong results): what the loop costs
-    without it. `image_copies` > 0: each stage's weights from `stage_image`, passed
-    after the weights' arrays (what a layout stored stage by stage would give), in that
-    many bulk copies of about equal size, instead of `copy_bulk`'s copy a slab and a
-    group from the native layout."""
+    without it. `image_copies` not 0: each stage's weights from `stage_image`, passed
+    after the weights' arrays (what a layout stored stage by stage would give), in the
+    copies `image_bounds` gives, instead of `copy_bulk`'s copy a slab and a group from
+    the native layout."""
     if (not bulk_staging_supported(spec, n, k, HALF, chunks, STAGE_SLABS) or not 2 <= stages <= 7 or not widths
             or not set(widths) <= set(ptx.WARPGROUP_COLUMNS) or leave_out not in LEFT_OUT):
         raise ValueError(f"{spec.name} at (n={n}, k={k}) in bulk-copied stages of {STEP_K} of K and {chunks} chunks, "
@@ -118,8 +121,7 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
     producers = 64 * chunks
     threads, steps, image_slot = 128 + producers, k // STEP_K, len(SLOTS)
     staged = staged_weights(spec, n, k, HALF, chunks, STAGE_SLABS, producers)
-    # The image copies' bounds, in words: 16-byte units split about evenly.
-    bounds = tuple(4 * (i * staged.stage_words // 4 // max(image_copies, 1)) for i in range(image_copies + 1))
+    bounds = image_bounds(spec, n, k, chunks, image_copies) if image_copies else ()
     reader = fragment_reader(spec, n, k, HALF)
     fetch, copy_bulk, decode = staged.fetch, staged.copy_bulk, reader.decode
     output_scale, raw_words = reader.output_scale, reader.raw_words
@@ -142,7 +144,7 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
                 uint32(STAGE_SLABS * 32) * width if copy_act else uint32(0)))
             if image_copies:
                 stage = (expert * uint32(n // (CHUNK_N * chunks)) + first_chunk // uint32(chunks)) * uint32(steps) + step
-                for c in range(image_copies):
+                for c in range(len(bounds) - 1):
                     ptx.bulk_copy(shared, buffer * uint32(w_words) + uint32(bounds[c]), weights[image_slot],
                                   stage * uint32(w_words) + uint32(bounds[c]), uint32(4 * (bounds[c + 1] - bounds[c])),
                                   barrier)
@@ -332,6 +334,19 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
     return bound, barriers + 2 * stages
 
 
+def image_bounds(spec, n: int, k: int, chunks: int, copies: int | str) -> tuple[int, ...]:
+    """The word offsets that split a stage of `stage_image` into its bulk copies:
+    `copies` (an int) of about equal size, or "tensors": the codes, then the scales and
+    zero points (`StagedWeights` keeps them in that order), as two tensors stored stage
+    by stage would be copied."""
+    stage_words = staged_weights(spec, n, k, HALF, chunks, STAGE_SLABS, 64 * chunks).stage_words
+    if copies == "tensors":
+        return 0, STAGE_SLABS * chunks * TileGeometry.of(spec, n, k).words_per_chunk, stage_words
+    if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
+        raise ValueError(f"copies must be a positive integer or 'tensors', got {copies!r}")
+    return tuple(4 * (i * stage_words // 4 // copies) for i in range(copies + 1))
+
+
 @functools.cache
 def make_image_kernel(spec, n: int, k: int, chunks: int):
     """(kernel(weights, image), a stage's words): a CTA (feature tile, expert, step)
@@ -409,11 +424,11 @@ def bound_inputs(spec, experts: int, n: int, k: int, slots: int, seed: int, devi
 
 
 def run_bound(act, weights, counts, widths, out, chunks: int, stages: int, leave_out: str = "", image=None,
-              image_copies: int = 1):
+              image_copies: int | str = 1):
     """Launch the bound kernel on torch's stream: `act` as `stage_blocks` stores it,
     `counts` (experts,) int32 slots an expert on the GPU, `widths` what `widths_for`
     gives for them; `image` (`stage_image` of the weights at `chunks`): the weights
-    copied from it, `image_copies` copies a stage."""
+    copied from it in `image_bounds`' copies a stage."""
     experts, _, n = out.shape
     kernel, words = make_bound_kernel(weights.spec, n, weights.shape[2], widths, chunks, stages, leave_out,
                                       image_copies if image is not None else 0)
@@ -423,10 +438,10 @@ def run_bound(act, weights, counts, widths, out, chunks: int, stages: int, leave
 
 
 def bound_error(spec, counts: list[int], n: int, k: int, chunks: int, stages: int, device, *,
-                image_copies: int = 0) -> float:
+                image_copies: int | str = 0) -> float:
     """Largest error of the bound kernel's output (experts of `counts` slots) against
-    float64 torch, relative to the output's largest magnitude (`image_copies` > 0: the
-    weights from their `stage_image`, in that many copies a stage)."""
+    float64 torch, relative to the output's largest magnitude (`image_copies` not 0: the
+    weights from their `stage_image`, in `image_bounds`' copies a stage)."""
     widths = widths_for(counts)
     act, weights, dense = bound_inputs(spec, len(counts), n, k, max(widths), 0, device, sample_n=n // 2)
     out = torch.zeros(len(counts), max(widths), n, dtype=torch.float32, device=device)
@@ -448,6 +463,13 @@ def variant(text: str) -> tuple[int, int, str]:
     return int(parts[0]), int(parts[1]), (parts[2:] or [""])[0]
 
 
+def image_copies_arg(text: str) -> int | str:
+    """'tensors' or a count of copies (0: the native layout's)."""
+    if text != "tensors" and not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a count of copies or 'tensors', got {text!r}")
+    return text if text == "tensors" else int(text)
+
+
 def main(argv=None) -> None:
     from bench_moe import Timer, captured, layer_gemms, matmul_rate, routed_batches
 
@@ -461,9 +483,10 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", type=int, default=256, help="Mixtral tokens for the layer's own GEMMs")
     parser.add_argument("--one-width", action="store_true",
                         help="every expert's wgmma as wide as the most slots an expert has (one compiled width)")
-    parser.add_argument("--image-copies", type=int, nargs="+", default=[0],
-                        help="copies a stage of the weights: 0 from the native layout (a copy a slab and a group), "
-                             "n > 0 in n about equal copies from the weights stored stage by stage (`stage_image`)")
+    parser.add_argument("--image-copies", type=image_copies_arg, nargs="+", default=[0],
+                        help="copies a stage of the weights: 0 from the native layout (a copy a slab and a group); "
+                             "from the weights stored stage by stage (`stage_image`): n > 0 in n about equal copies, "
+                             "'tensors' a copy for the codes and one for the scales and zero points")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("it times kernels on a CUDA GPU and none is available here (its check runs in the simulator: "
@@ -472,8 +495,10 @@ def main(argv=None) -> None:
     rate = matmul_rate(timer)
     print(f"{torch.cuda.get_device_name()}; bf16 matmul {rate / 1e12:.0f} TFLOP/s; {args.format}")
     for chunks, stages in sorted({(chunks, stages) for chunks, stages, _ in args.variants}):
-        error = bound_error(spec, [37, 64], 512, 512, chunks, stages, "cuda", image_copies=max(args.image_copies))
-        print(f"check, {chunks} chunks, {stages} stages: largest error {error:.1e} of the largest output")
+        for copies in args.image_copies:
+            error = bound_error(spec, [37, 64], 512, 512, chunks, stages, "cuda", image_copies=copies)
+            print(f"check, {chunks} chunks, {stages} stages, image copies {copies}: largest error {error:.1e} of the "
+                  f"largest output")
     _, _, _, layer, hidden, topk_weights, topk_ids = next(routed_batches(["mixtral"], [args.format], [args.tokens],
                                                                         generator))
     gemms = layer_gemms(layer, hidden, topk_weights, topk_ids)[:2]
@@ -497,7 +522,7 @@ def main(argv=None) -> None:
             ms = timer(captured(functools.partial(run_bound, act, weights, counts, widths, out, chunks, stages,
                                                   leave_out, images.get(chunks) if copies else None, copies)))
             without = f", without {leave_out}" if leave_out else ""
-            source = f", weights in {copies} copies a stage of their image" if copies else ""
+            source = f", weights from their stage image ({copies} copies a stage)" if copies else ""
             print(f"  bound, {int(counts.sum())} slots, {chunks} chunks, {stages} stages{without}{source}: "
                   f"{ms * 1e3:.1f} us ({flops / (ms * 1e-3) / rate:.2f} of the matmul rate)", flush=True)
         del act, weights, out, images

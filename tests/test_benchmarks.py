@@ -148,12 +148,20 @@ def test_specialized_bound_variants_name_chunks_stages_and_what_they_leave_out(m
         with pytest.raises(ValueError, match="widths multiples of 8"):
             bound.make_bound_kernel(spec, 512, 4096, (60,), 2, 3)
         assert bound.widths_for([0, 5, 8, 64, 61, 9]) == (8, 16, 64)
+        assert bound.image_copies_arg("tensors") == "tensors" and bound.image_copies_arg("5") == 5
+        with pytest.raises(argparse.ArgumentTypeError, match="count of copies"):
+            bound.image_copies_arg("-1")
+        with pytest.raises(ValueError, match="positive integer or 'tensors'"):
+            bound.image_bounds(spec, 512, 4096, 2, -1)
+        stage = bound.image_bounds(spec, 512, 4096, 2, 1)[-1]  # two chunks' 4 slabs of codes, then their scales
+        assert bound.image_bounds(spec, 512, 4096, 2, "tensors") == (0, 4 * 2 * 128, stage)
+        assert bound.image_bounds(spec, 512, 4096, 2, 3) == (0, 4 * (stage // 12), 4 * (2 * stage // 12), stage)
     finally:
         sys.modules.pop("specialized_bound", None)
 
 
 @pytest.mark.parametrize("spec_name, image_copies", [("w4a16-g128", 0), ("nvfp4", 0), ("zero points", 0),
-                                                    ("zero points", 1), ("nvfp4", 3)])
+                                                    ("zero points", 1), ("nvfp4", 3), ("zero points", "tensors")])
 def test_specialized_bound_computes_the_grouped_product_it_times(spec_name, image_copies, monkeypatch):
     """The warp-specialised bound (bulk copies of each stage on mbarriers, producer warps
     decoding the native layout with the GEMM's reader into wgmma's A tiles, a consumer
@@ -161,9 +169,9 @@ def test_specialized_bound_computes_the_grouped_product_it_times(spec_name, imag
     the spec's dequantised weights for each expert's slots: under the simulator at a
     shape of six CTAs (three experts of 5, 16 and no slots, two feature tiles) whose 4
     stages go round a 2-stage ring twice (on the GPU the script checks itself at a larger
-    one before it times). `image_copies` > 0: each stage's weights from their stage image
-    (the weights staged by `copy_bulk` and written back stage by stage), in that many
-    copies a stage."""
+    one before it times). `image_copies` not 0: each stage's weights from their stage
+    image (the weights staged by `copy_bulk` and written back stage by stage), in that
+    many copies a stage or a copy a tensor."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     try:
         from layouts import formats
