@@ -131,4 +131,4 @@ class LoRAHooks(MoEHooks):
             raise ValueError(f"set_token_adapters was given {self._num_tokens} tokens, the call has {tokens}")
         a, b = (self.gate_up_a, self.gate_up_b) if step.name == "gemm1" else (self.down_a, self.down_b)
         add_lora(step.act, step.topk_ids, a, b, self.scaling, self._token_adapter[:tokens], step.out,
-                 expert_map=self.expert_map, rows_div=step.rows_div)
+                 expert_map=self.expert_map, rows_div=step.rows_div, check_ids=False)

@@ -194,7 +194,8 @@ def run(prepared: Prepared, weights: ExpertWeights, hooks: MoEHooks | None = Non
     step = GemmStep("gemm1", prepared.hidden_states, buffers.gemm1_out, prepared.topk_ids, config.top_k)
     hooks.pre_gemm(step)
     act = gemm_input(prepared.hidden_states, weights, weights.w13, buffers.gemm1_in, alignment, slots, backend.block_m)
-    grouped_gemm(act, weights.w13, *alignment, num_slots=slots, tile=backend.gemm1, out=buffers.gemm1_out, then=then1)
+    grouped_gemm(act, weights.w13, *alignment, num_slots=slots, tile=backend.gemm1, out=buffers.gemm1_out, then=then1,
+                 check_ids=False)
     hooks.post_gemm(step)
     if then1 is None:
         activate(buffers.gemm1_out, config.activation, out=buffers.intermediate)
@@ -203,7 +204,7 @@ def run(prepared: Prepared, weights: ExpertWeights, hooks: MoEHooks | None = Non
     hooks.pre_gemm(step)
     act = gemm_input(buffers.intermediate, weights, weights.w2, buffers.gemm2_in, alignment, slots, backend.block_m)
     grouped_gemm(act, weights.w2, *alignment, num_slots=slots, tile=backend.gemm2, out=buffers.gemm2_out, then=then2,
-                 alignment_ready=True)  # aligned before gemm1
+                 alignment_ready=True, check_ids=False)  # aligned before gemm1
     hooks.post_gemm(step)
     if then2 is None:
         combine(buffers.gemm2_out, prepared.topk_weights, out=buffers.output)

@@ -628,17 +628,16 @@ def activation_array(act: torch.Tensor, pair_loads: bool):
 def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_tokens_post_padded, *,
                  num_slots: int, tile: GemmTile = GemmTile(), topk_weights=None, out=None,
                  partial_output: bool | None = None, then: FusedActivation | FusedCombine | None = None,
-                 alignment_ready: bool = False) -> torch.Tensor:
+                 alignment_ready: bool = False, check_ids: bool = True) -> torch.Tensor:
     """One grouped GEMM over aligned token blocks.
 
     act:                     (M, K) per token (gemm1) or (num_slots, K) per slot (gemm2),
                              bfloat16 or float16.
     weights:                 the experts' weights (E, N, K) in any spec.
     sorted_token_ids, expert_ids, num_tokens_post_padded: `moe_align_block_size` output for
-                             block size tile.block_m and these num_slots (int32). The kernel
-                             trusts their values (the aligning kernels check theirs): a
-                             slot id below num_slots is a real slot, an expert id must lie
-                             in [0, E) or be -1.
+                             block size tile.block_m and these num_slots (int32). A slot
+                             id below num_slots is a real slot (at or above: padding); the
+                             expert id of a block lies in [0, E) or is -1 (no expert).
     num_slots:               M * top_k; slot ids at or above it are padding.
     topk_weights:            (M, top_k) float32 to multiply each slot's output by, or None.
     out / partial_output:    the output, (num_slots, N) in act's dtype, or with
@@ -655,6 +654,10 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
     alignment_ready:         the alignment was written before the kernel launched ahead of
                              this one started (see make_grouped_gemm): under early launch
                              the first weight loads need not wait for that kernel.
+    check_ids:               check the ids of the blocks in use (num_tokens_post_padded's)
+                             before the launch: a host sync, so the layer, whose aligning
+                             kernels write valid ids, passes False (as inside a CUDA graph
+                             capture, where a sync is not allowed).
 
     Returns `out`, or then.out where `out` was not written.
     """
@@ -681,6 +684,8 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
     if expert_ids.shape[0] != -(-sorted_token_ids.shape[0] // tile.block_m):
         raise ValueError(f"expert_ids ({expert_ids.shape[0]} blocks) must split sorted_token_ids "
                          f"({sorted_token_ids.shape[0]}) in blocks of {tile.block_m}: align with block_size = block_m")
+    if check_ids:
+        check_alignment_ids(sorted_token_ids, expert_ids, num_tokens_post_padded, tile.block_m, experts)
     if out is not None:
         out = interop.as_tensor(out, "out")
     paired = then is not None and tile.pairs_warps  # finished in the epilogue, from half outputs
@@ -743,6 +748,15 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
                   if loads_weights_early(tile, alignment_ready) else 0)
     launch_kernel(kernel, grid, tile.threads, *args, np.int32(early_ctas), waits=True, shared_bytes=shared_bytes)
     return then.out if out is None else out
+
+
+def check_alignment_ids(sorted_token_ids, expert_ids, num_tokens_post_padded, block_m: int, experts: int) -> None:
+    """Raise unless the blocks in use (the first num_tokens_post_padded slots, a host sync)
+    name slots at or above 0 and experts in [-1, experts): past them the arrays may hold
+    anything (a workspace's stale entries), which the kernel never reads."""
+    used = min(max(int(num_tokens_post_padded[0]), 0), sorted_token_ids.shape[0])
+    interop.check_range("sorted_token_ids (the blocks in use)", sorted_token_ids[:used], 0)
+    interop.check_range("expert_ids (the blocks in use)", expert_ids[:-(-used // block_m)], -1, experts)
 
 
 def reference_grouped_gemm(act: np.ndarray, dense_weights: np.ndarray, sorted_token_ids, expert_ids,

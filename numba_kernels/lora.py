@@ -74,7 +74,8 @@ def make_lora_kernel(rank: int, half: str, partial_output: bool, mapped: bool):
     return add_lora
 
 
-def add_lora(x, topk_ids, lora_a, lora_b, scaling, token_adapter, out, *, expert_map=None, rows_div: int) -> None:
+def add_lora(x, topk_ids, lora_a, lora_b, scaling, token_adapter, out, *, expert_map=None, rows_div: int,
+             check_ids: bool = True) -> None:
     """Add the LoRA deltas of every slot to `out` in place (see the module docstring).
 
     x:             (M, K) (gemm1, rows_div = top_k) or (M * top_k, K) (gemm2, rows_div = 1), half.
@@ -85,9 +86,11 @@ def add_lora(x, topk_ids, lora_a, lora_b, scaling, token_adapter, out, *, expert
     token_adapter: (M,) int32 adapter of each token, -1 for none.
     out:           (M * top_k, N) in x's dtype, or float32 partials (splits, M * top_k, N).
     expert_map:    (num_experts,) int32 global -> local expert (-1: not on this rank), or None.
-    The kernel trusts the ids' values (checking them would sync the host every call):
-    topk_ids in [0, num_experts), mapped to [0, local experts) or -1, token_adapter in
-    [-1, adapters) (`LoRAHooks.set_token_adapters` checks those).
+    check_ids:     check the ids' values before the launch: topk_ids in [0, num_experts)
+                   (num_experts = local experts without a map), the map's in [-1, local
+                   experts), token_adapter in [-1, adapters). A host sync: the layer's
+                   hooks pass False (its router writes valid ids, and
+                   `LoRAHooks.set_token_adapters` checks the adapters when they are set).
     """
     x = interop.check_tensor("x", x, dtype=(torch.bfloat16, torch.float16), ndim=2)
     topk_ids = interop.check_tensor("topk_ids", topk_ids, dtype=torch.int32, ndim=2)
@@ -111,7 +114,12 @@ def add_lora(x, topk_ids, lora_a, lora_b, scaling, token_adapter, out, *, expert
     mapped = expert_map is not None
     if mapped:
         expert_map = interop.check_tensor("expert_map", expert_map, dtype=torch.int32, ndim=1)
-    else:
+    if check_ids:
+        interop.check_range("topk_ids", topk_ids, 0, expert_map.shape[0] if mapped else experts)
+        interop.check_range("token_adapter", token_adapter, -1, adapters)
+        if mapped:
+            interop.check_range("expert_map", expert_map, -1, experts)
+    if not mapped:
         expert_map = interop.stand_in(0, torch.int32, x.device)
     kernel = make_lora_kernel(rank, interop.HALF_NAMES[x.dtype], partial, mapped)
     to = interop.to_kernel

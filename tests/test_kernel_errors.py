@@ -51,6 +51,47 @@ def test_grouped_gemm_arguments():
             grouped_gemm(arguments.pop("act"), arguments.pop("weights"), *alignment, **arguments)
 
 
+def test_alignment_ids_are_checked_before_the_gemm_indexes_memory_with_them():
+    """Ids of the blocks in use must name real experts (or -1) and slots >= 0; entries past
+    num_tokens_post_padded (a workspace's stale ones) are never read, so never refused."""
+    act, weights, (sorted_ids, expert_ids, num_post) = _problem()
+    used = int(num_post[0])
+    expected = grouped_gemm(act, weights, sorted_ids, expert_ids, num_post, num_slots=2, tile=GemmTile(block_m=16))
+    for name, index, value, message in (
+            ("expert", 0, 2, r"expert_ids \(the blocks in use\) must be in \[-1, 2\), got values from 1 to 2"),
+            ("expert", 1, -2, r"expert_ids \(the blocks in use\) must be in \[-1, 2\), got values from -2 to 0"),
+            ("slot", 0, -5, r"sorted_token_ids \(the blocks in use\) must be >= 0, got values from -5 to")):
+        bad_sorted, bad_experts = sorted_ids.clone(), expert_ids.clone()
+        (bad_experts if name == "expert" else bad_sorted)[index] = value
+        with pytest.raises(ValueError, match=message):
+            grouped_gemm(act, weights, bad_sorted, bad_experts, num_post, num_slots=2, tile=GemmTile(block_m=16))
+    stale_sorted = torch.cat([sorted_ids[:used], torch.full((16,), -7, dtype=torch.int32, device=DEVICE)])
+    stale_experts = torch.cat([expert_ids[:used // 16], torch.full((1,), 99, dtype=torch.int32, device=DEVICE)])
+    out = grouped_gemm(act, weights, stale_sorted, stale_experts, num_post, num_slots=2, tile=GemmTile(block_m=16))
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_lora_ids_are_checked_before_the_kernel_indexes_memory_with_them():
+    act = torch.zeros(2, 64, dtype=torch.bfloat16, device=DEVICE)
+    lora_a = torch.zeros(1, 2, 4, 64, dtype=torch.bfloat16, device=DEVICE)
+    lora_b = torch.zeros(1, 2, 64, 4, dtype=torch.bfloat16, device=DEVICE)
+    out = torch.zeros(2, 64, dtype=torch.bfloat16, device=DEVICE)
+
+    def call(topk_ids, token_adapter, expert_map=None):
+        add_lora(act, topk_ids, lora_a, lora_b, torch.ones(1, device=DEVICE), token_adapter, out,
+                 expert_map=expert_map, rows_div=1)
+
+    ids, adapters = _ints(2, 1), _ints(2)
+    with pytest.raises(ValueError, match=r"topk_ids must be in \[0, 2\), got values from 0 to 2"):
+        call(torch.tensor([[0], [2]], dtype=torch.int32, device=DEVICE), adapters)
+    with pytest.raises(ValueError, match=r"topk_ids must be in \[0, 4\), got values from 0 to 4"):
+        call(torch.tensor([[0], [4]], dtype=torch.int32, device=DEVICE), adapters, expert_map=_ints(4))
+    with pytest.raises(ValueError, match=r"token_adapter must be in \[-1, 1\), got values from -2 to 0"):
+        call(ids, torch.tensor([0, -2], dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match=r"expert_map must be in \[-1, 2\), got values from -1 to 3"):
+        call(ids, adapters, expert_map=torch.tensor([0, 3, -1], dtype=torch.int32, device=DEVICE))
+
+
 def test_act_order_indices_are_checked_before_a_kernel_indexes_memory_with_them():
     spec, shape = formats.marlin(4, 32, act_order=True), (1, 64, 64)
     q = random_quantized(spec, shape, np.random.default_rng(0))
