@@ -46,7 +46,7 @@ def two_gemms(pair, backend, hidden, intermediate, topk_ids, num_experts, permut
             act = inputs[g]
             if permute:
                 act = permute_slots(act, weights.k_order, *alignment, num_slots=slots, block_m=block_m,
-                                    out=permuted[g])
+                                    out=permuted[g], check_ids=False)
             outputs[g] = grouped_gemm(act, weights, *alignment, num_slots=slots, tile=tile, out=outputs[g],
                                       alignment_ready=g == 1, check_ids=False)
 

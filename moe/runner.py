@@ -176,7 +176,7 @@ def gemm_input(act: torch.Tensor, weights: ExpertWeights, stored, out: torch.Ten
     the experts' K order (`weights.permutes_inputs`) in `out`."""
     if not weights.permutes_inputs:
         return act
-    return permute_slots(act, stored.k_order, *alignment, num_slots=slots, block_m=block_m, out=out)
+    return permute_slots(act, stored.k_order, *alignment, num_slots=slots, block_m=block_m, out=out, check_ids=False)
 
 
 def run(prepared: Prepared, weights: ExpertWeights, hooks: MoEHooks | None = None) -> torch.Tensor:

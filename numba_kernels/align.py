@@ -384,6 +384,17 @@ def check_expert_map(expert_map: torch.Tensor, num_experts: int) -> None:
                          f"{int(expert_map.min())} to {int(expert_map.max())}")
 
 
+def check_alignment_ids(sorted_token_ids, expert_ids, num_tokens_post_padded, block_m: int,
+                        experts: int | None) -> None:
+    """Raise unless the blocks in use (the first num_tokens_post_padded slots, a host sync)
+    name slots at or above 0 and experts in [-1, experts) (None: at least -1), as a kernel
+    that reads an alignment indexes with them; past them the arrays may hold anything (a
+    workspace's stale entries), which such a kernel never reads."""
+    used = min(max(int(num_tokens_post_padded[0]), 0), sorted_token_ids.shape[0])
+    interop.check_range("sorted_token_ids (the blocks in use)", sorted_token_ids[:used], 0)
+    interop.check_range("expert_ids (the blocks in use)", expert_ids[:-(-used // block_m)], -1, experts)
+
+
 @attrs.frozen(eq=False)
 class AlignCall:
     """A checked alignment call: ids, optional expert map, the output views and the sizes."""

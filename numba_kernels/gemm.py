@@ -60,6 +60,7 @@ from layouts import QuantSpec
 
 from . import interop, ptx
 from .activation import Activation
+from .align import check_alignment_ids
 from .epilogue import FusedActivation, FusedCombine, check_fused, gate_up_halves, make_finisher
 from .fragments import CHUNK_N, SLAB_K, copy_offsets_fit, staged_weights, staging_supported
 from .gemm_decode import decode_steps
@@ -748,15 +749,6 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
                   if loads_weights_early(tile, alignment_ready) else 0)
     launch_kernel(kernel, grid, tile.threads, *args, np.int32(early_ctas), waits=True, shared_bytes=shared_bytes)
     return then.out if out is None else out
-
-
-def check_alignment_ids(sorted_token_ids, expert_ids, num_tokens_post_padded, block_m: int, experts: int) -> None:
-    """Raise unless the blocks in use (the first num_tokens_post_padded slots, a host sync)
-    name slots at or above 0 and experts in [-1, experts): past them the arrays may hold
-    anything (a workspace's stale entries), which the kernel never reads."""
-    used = min(max(int(num_tokens_post_padded[0]), 0), sorted_token_ids.shape[0])
-    interop.check_range("sorted_token_ids (the blocks in use)", sorted_token_ids[:used], 0)
-    interop.check_range("expert_ids (the blocks in use)", expert_ids[:-(-used // block_m)], -1, experts)
 
 
 def reference_grouped_gemm(act: np.ndarray, dense_weights: np.ndarray, sorted_token_ids, expert_ids,

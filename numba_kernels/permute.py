@@ -34,6 +34,7 @@ from numba import cuda, int16, int32, uint32
 from layouts import QuantSpec
 
 from . import interop
+from .align import check_alignment_ids
 from .launch import launch_kernel
 from .ptx import kernel, load_written, wait_for_previous
 
@@ -116,17 +117,20 @@ def _words(tensor: torch.Tensor, vectorized: bool):
 
 
 def permute_slots(act, order, sorted_token_ids, expert_ids, num_tokens_post_padded, *, num_slots: int,
-                  block_m: int, out=None) -> torch.Tensor:
+                  block_m: int, out=None, check_ids: bool = True) -> torch.Tensor:
     """out[slot, kp] = act[slot // (num_slots / rows), order[e, kp]] for every slot the
     alignment assigns to local expert e; one launch on torch's stream.
 
     act:    (M, K) per token (gemm1's input) or (num_slots, K) per slot, bfloat16 or float16.
     order:  (E, K) or (1, K) int32, the stored sort indices of act-order weights
-            (`KernelWeights.k_order`, which checks each row permutes 0..K-1; the kernel
-            trusts them): logical input feature of each stored one.
+            (`KernelWeights.k_order`, which checks each row permutes 0..K-1): logical
+            input feature of each stored one.
     sorted_token_ids, expert_ids, num_tokens_post_padded: the alignment for block_m, as
             the GEMM after it reads it.
     out:    (num_slots, K) in act's dtype; rows of slots the alignment skips are not written.
+    check_ids: check the values the kernel indexes with before the launch (a host sync; the
+            layer passes False): order's in [0, K), the blocks in use's slots >= 0 and
+            experts in [-1, E) (any >= -1 for one order for all).
     """
     act = interop.check_tensor("act", act, dtype=(torch.bfloat16, torch.float16), ndim=2)
     rows, k = act.shape
@@ -147,6 +151,10 @@ def permute_slots(act, order, sorted_token_ids, expert_ids, num_tokens_post_padd
     if expert_ids.shape[0] != -(-sorted_token_ids.shape[0] // block_m):
         raise ValueError(f"expert_ids ({expert_ids.shape[0]} blocks) must split sorted_token_ids "
                          f"({sorted_token_ids.shape[0]}) in blocks of block_m = {block_m}")
+    if check_ids:
+        interop.check_range("order", order, 0, k)
+        check_alignment_ids(sorted_token_ids, expert_ids, num_tokens_post_padded, block_m,
+                            order.shape[0] if order.shape[0] > 1 else None)
     if out is None:
         out = interop.empty((num_slots, k), act.dtype)
     out = interop.check_tensor("out", out, dtype=act.dtype, shape=(num_slots, k), alignment=4)

@@ -1,8 +1,9 @@
 """Bad arguments to the kernel-level functions raise a clear error naming the argument
 before a launch: arguments of the wrong kind or size (once AttributeError or
-ZeroDivisionError inside), act-order indices a kernel would read or write out of bounds
-with, expert maps the routing kernel trusted, outputs sharing memory (once silently wrong
-results), and tile options of the wrong type (a truthy string picked another kernel)."""
+ZeroDivisionError inside), act-order indices and alignment, LoRA and permutation ids a
+kernel would read or write out of bounds with, expert maps the routing kernel trusted,
+outputs sharing memory (once silently wrong results), and tile options of the wrong type
+(a truthy string picked another kernel)."""
 
 import numpy as np
 import pytest
@@ -69,6 +70,24 @@ def test_alignment_ids_are_checked_before_the_gemm_indexes_memory_with_them():
     stale_experts = torch.cat([expert_ids[:used // 16], torch.full((1,), 99, dtype=torch.int32, device=DEVICE)])
     out = grouped_gemm(act, weights, stale_sorted, stale_experts, num_post, num_slots=2, tile=GemmTile(block_m=16))
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_permute_checks_the_order_and_the_alignment_it_indexes_with():
+    act, _, (sorted_ids, expert_ids, num_post) = _problem()
+    order = torch.arange(64, dtype=torch.int32, device=DEVICE).repeat(2, 1)
+    bad_order = order.clone()
+    bad_order[1, 5] = 64
+    with pytest.raises(ValueError, match=r"order must be in \[0, 64\), got values from 0 to 64"):
+        permute_slots(act, bad_order, sorted_ids, expert_ids, num_post, num_slots=2, block_m=16)
+    bad_experts = expert_ids.clone()
+    bad_experts[0] = 2
+    with pytest.raises(ValueError, match=r"expert_ids \(the blocks in use\) must be in \[-1, 2\)"):
+        permute_slots(act, order, sorted_ids, bad_experts, num_post, num_slots=2, block_m=16)
+    permute_slots(act, order[:1], sorted_ids, bad_experts, num_post, num_slots=2, block_m=16)  # one order for all
+    bad_sorted = sorted_ids.clone()
+    bad_sorted[0] = -1
+    with pytest.raises(ValueError, match=r"sorted_token_ids \(the blocks in use\) must be >= 0"):
+        permute_slots(act, order, bad_sorted, expert_ids, num_post, num_slots=2, block_m=16)
 
 
 def test_lora_ids_are_checked_before_the_kernel_indexes_memory_with_them():
