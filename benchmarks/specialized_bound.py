@@ -1,6 +1,6 @@
 """What a warp-specialised prefill GEMM could reach at Mixtral's M = 256, on the GPU:
 
-    python3 benchmarks/specialized_bound.py [--format nvfp4] [--variants 2:3 2:4 2:3:act ...] [--image-copies 0 1 tensors]
+    python3 benchmarks/specialized_bound.py [--format nvfp4] [--variants 2:3 2:4 2:3:act ...] [--image-copies 0 1 tensors] [--steps-first]
 
 At 64 slots an expert the prefill tiles are latency-bound (Nsight Compute, fifty-fifth
 session of `benchmarks/LOG.md`): each warp decodes its weights and then feeds them to
@@ -100,7 +100,7 @@ def expert_widths(counts, widths) -> list[int]:
 
 @functools.cache
 def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int, stages: int, leave_out: str = "",
-                      image_copies: int | str = 0):
+                      image_copies: int | str = 0, steps_first: bool = False):
     """(kernel(act, weights, counts, out), shared words) for weights `spec` of shape (n,
     k) an expert, `chunks` chunks a CTA and a `stages`-deep ring; an expert of
     counts[e] slots multiplies its stages by the narrowest of `widths` (wgmma's N, a
@@ -111,7 +111,7 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
     without it. `image_copies` not 0: each stage's weights from `stage_image`, passed
     after the weights' arrays (what a layout stored stage by stage would give), in the
     copies `image_bounds` gives, instead of `copy_bulk`'s copy a slab and a group from
-    the native layout."""
+    the native layout (`steps_first`: the image's order, `image_stage`)."""
     if (not bulk_staging_supported(spec, n, k, HALF, chunks, STAGE_SLABS) or not 2 <= stages <= 7 or not widths
             or not set(widths) <= set(ptx.WARPGROUP_COLUMNS) or leave_out not in LEFT_OUT):
         raise ValueError(f"{spec.name} at (n={n}, k={k}) in bulk-copied stages of {STEP_K} of K and {chunks} chunks, "
@@ -122,6 +122,7 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
     threads, steps, image_slot = 128 + producers, k // STEP_K, len(SLOTS)
     staged = staged_weights(spec, n, k, HALF, chunks, STAGE_SLABS, producers)
     bounds = image_bounds(spec, n, k, chunks, image_copies) if image_copies else ()
+    stage_of = image_stage(n // (CHUNK_N * chunks), steps, steps_first)
     reader = fragment_reader(spec, n, k, HALF)
     fetch, copy_bulk, decode = staged.fetch, staged.copy_bulk, reader.decode
     output_scale, raw_words = reader.output_scale, reader.raw_words
@@ -143,7 +144,7 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
             ptx.mbarrier_expect_bytes(shared, barrier, uint32(4 * w_words) + (
                 uint32(STAGE_SLABS * 32) * width if copy_act else uint32(0)))
             if image_copies:
-                stage = (expert * uint32(n // (CHUNK_N * chunks)) + first_chunk // uint32(chunks)) * uint32(steps) + step
+                stage = stage_of(expert, first_chunk // uint32(chunks), step)
                 for c in range(len(bounds) - 1):
                     ptx.bulk_copy(shared, buffer * uint32(w_words) + uint32(bounds[c]), weights[image_slot],
                                   stage * uint32(w_words) + uint32(bounds[c]), uint32(4 * (bounds[c + 1] - bounds[c])),
@@ -347,14 +348,31 @@ def image_bounds(spec, n: int, k: int, chunks: int, copies: int | str) -> tuple[
     return tuple(4 * (i * stage_words // 4 // copies) for i in range(copies + 1))
 
 
+def image_stage(tiles: int, steps: int, steps_first: bool):
+    """stage(expert, feature tile, step): where a stage sits in `stage_image`, in stages.
+    A CTA's stages one after another, or (`steps_first`) a step's feature tiles one
+    after another: the order a `Tile` of the packed words (a row of slabs a stage) would
+    give, each stage one run but a CTA's next one a row of tiles away."""
+
+    @ptx.device
+    def stage(expert, tile, step):
+        if steps_first:
+            return (expert * uint32(steps) + step) * uint32(tiles) + tile
+        return (expert * uint32(tiles) + tile) * uint32(steps) + step
+
+    return stage
+
+
 @functools.cache
-def make_image_kernel(spec, n: int, k: int, chunks: int):
+def make_image_kernel(spec, n: int, k: int, chunks: int, steps_first: bool):
     """(kernel(weights, image), a stage's words): a CTA (feature tile, expert, step)
     stages its weights with `copy_bulk` and writes the stage's shared words to `image`
-    in that order, so that one copy of a stage's words fills the same stage."""
+    where `image_stage` puts them, so that one copy of a stage's words fills the same
+    stage."""
     staged = staged_weights(spec, n, k, HALF, chunks, STAGE_SLABS, 64 * chunks)
     copy_bulk, w_words, tiles, steps = staged.copy_bulk, staged.stage_words, n // (CHUNK_N * chunks), k // STEP_K
     barrier = 2 * -(-w_words // 2)  # the mbarrier's word, even, after the stage
+    stage_of = image_stage(tiles, steps, steps_first)
 
     @ptx.kernel
     def image_kernel(weights, image):
@@ -369,19 +387,19 @@ def make_image_kernel(spec, n: int, k: int, chunks: int):
             copy_bulk(weights, expert, ftile * uint32(chunks), ftile * uint32(chunks) + uint32(chunks // 2),
                       step * uint32(STAGE_SLABS), shared, uint32(0), barrier)
         ptx.mbarrier_wait(shared, barrier, 0)
-        first = ((expert * uint32(tiles) + ftile) * uint32(steps) + step) * uint32(w_words)
+        first = stage_of(expert, ftile, step) * uint32(w_words)
         for word in range(tid, w_words, cuda.blockDim.x):
             image[first + uint32(word)] = int32(shared[word])
 
     return image_kernel, w_words, barrier + 2
 
 
-def stage_image(weights, chunks: int) -> torch.Tensor:
+def stage_image(weights, chunks: int, steps_first: bool = False) -> torch.Tensor:
     """The weights (`KernelWeights`) stored stage by stage, as `copy_bulk` stages them
-    for CTAs of `chunks` chunks: one bulk copy a stage (`make_bound_kernel`'s
-    `image_copies`)."""
+    for CTAs of `chunks` chunks, in `image_stage`'s order: one bulk copy a stage
+    (`make_bound_kernel`'s `image_copies`)."""
     experts, n, k = weights.shape
-    kernel, w_words, words = make_image_kernel(weights.spec, n, k, chunks)
+    kernel, w_words, words = make_image_kernel(weights.spec, n, k, chunks, steps_first)
     tiles = n // (CHUNK_N * chunks)
     image = torch.empty(experts * tiles * (k // STEP_K) * w_words, dtype=torch.int32, device=weights.tensors[0].device)
     launch_kernel(kernel, (tiles, experts, k // STEP_K), 128, weights.arrays(), interop.to_kernel(image),
@@ -424,30 +442,32 @@ def bound_inputs(spec, experts: int, n: int, k: int, slots: int, seed: int, devi
 
 
 def run_bound(act, weights, counts, widths, out, chunks: int, stages: int, leave_out: str = "", image=None,
-              image_copies: int | str = 1):
+              image_copies: int | str = 1, steps_first: bool = False):
     """Launch the bound kernel on torch's stream: `act` as `stage_blocks` stores it,
     `counts` (experts,) int32 slots an expert on the GPU, `widths` what `widths_for`
-    gives for them; `image` (`stage_image` of the weights at `chunks`): the weights
-    copied from it in `image_bounds`' copies a stage."""
+    gives for them; `image` (`stage_image` of the weights at `chunks`, in the order
+    `steps_first` says): the weights copied from it in `image_bounds`' copies a stage."""
     experts, _, n = out.shape
     kernel, words = make_bound_kernel(weights.spec, n, weights.shape[2], widths, chunks, stages, leave_out,
-                                      image_copies if image is not None else 0)
+                                      image_copies if image is not None else 0, steps_first)
     arrays = weights.arrays() + ((interop.to_kernel(image),) if image is not None else ())
     launch_kernel(kernel, (n // (CHUNK_N * chunks), experts), 128 + 64 * chunks, interop.to_kernel(act), arrays,
                   interop.to_kernel(counts), interop.to_kernel(out), shared_bytes=4 * words)
 
 
 def bound_error(spec, counts: list[int], n: int, k: int, chunks: int, stages: int, device, *,
-                image_copies: int | str = 0) -> float:
+                image_copies: int | str = 0, steps_first: bool = False) -> float:
     """Largest error of the bound kernel's output (experts of `counts` slots) against
     float64 torch, relative to the output's largest magnitude (`image_copies` not 0: the
-    weights from their `stage_image`, in `image_bounds`' copies a stage)."""
+    weights from their `stage_image`, in `image_bounds`' copies a stage, in the order
+    `steps_first` says)."""
     widths = widths_for(counts)
     act, weights, dense = bound_inputs(spec, len(counts), n, k, max(widths), 0, device, sample_n=n // 2)
     out = torch.zeros(len(counts), max(widths), n, dtype=torch.float32, device=device)
     run_bound(stage_blocks(act, expert_widths(counts, widths)), weights,
               torch.tensor(counts, dtype=torch.int32, device=device), widths, out, chunks, stages,
-              image=stage_image(weights, chunks) if image_copies else None, image_copies=image_copies)
+              image=stage_image(weights, chunks, steps_first) if image_copies else None, image_copies=image_copies,
+              steps_first=steps_first)
     reference = act.double().cpu() @ dense.to(torch.bfloat16).double().transpose(1, 2)
     slots = torch.arange(max(widths)).view(1, -1, 1) < torch.tensor(counts).view(-1, 1, 1)  # the rows computed
     return float(torch.where(slots, out.double().cpu() - reference, 0).abs().max()
@@ -487,6 +507,9 @@ def main(argv=None) -> None:
                         help="copies a stage of the weights: 0 from the native layout (a copy a slab and a group); "
                              "from the weights stored stage by stage (`stage_image`): n > 0 in n about equal copies, "
                              "'tensors' a copy for the codes and one for the scales and zero points")
+    parser.add_argument("--steps-first", action="store_true",
+                        help="the stage image's order: a step's feature tiles one after another (as a Tile of the "
+                             "packed words would store them), not a CTA's stages")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("it times kernels on a CUDA GPU and none is available here (its check runs in the simulator: "
@@ -496,7 +519,8 @@ def main(argv=None) -> None:
     print(f"{torch.cuda.get_device_name()}; bf16 matmul {rate / 1e12:.0f} TFLOP/s; {args.format}")
     for chunks, stages in sorted({(chunks, stages) for chunks, stages, _ in args.variants}):
         for copies in args.image_copies:
-            error = bound_error(spec, [37, 64], 512, 512, chunks, stages, "cuda", image_copies=copies)
+            error = bound_error(spec, [37, 64], 512, 512, chunks, stages, "cuda", image_copies=copies,
+                                steps_first=args.steps_first)
             print(f"check, {chunks} chunks, {stages} stages, image copies {copies}: largest error {error:.1e} of the "
                   f"largest output")
     _, _, _, layer, hidden, topk_weights, topk_ids = next(routed_batches(["mixtral"], [args.format], [args.tokens],
@@ -517,12 +541,15 @@ def main(argv=None) -> None:
         act, weights, _ = bound_inputs(spec, config.num_experts, n, k, max(widths), 1, "cuda")
         act = stage_blocks(act, expert_widths(counts.tolist(), widths))
         out = torch.empty(config.num_experts, max(widths), n, dtype=torch.float32, device="cuda")
-        images = {chunks: stage_image(weights, chunks) for chunks, _, _ in args.variants if any(args.image_copies)}
+        images = {chunks: stage_image(weights, chunks, args.steps_first) for chunks, _, _ in args.variants
+                  if any(args.image_copies)}
         for (chunks, stages, leave_out), copies in itertools.product(args.variants, args.image_copies):
             ms = timer(captured(functools.partial(run_bound, act, weights, counts, widths, out, chunks, stages,
-                                                  leave_out, images.get(chunks) if copies else None, copies)))
+                                                  leave_out, images.get(chunks) if copies else None, copies,
+                                                  args.steps_first)))
             without = f", without {leave_out}" if leave_out else ""
-            source = f", weights from their stage image ({copies} copies a stage)" if copies else ""
+            order = ", steps first" if args.steps_first else ""
+            source = f", weights from their stage image ({copies} copies a stage{order})" if copies else ""
             print(f"  bound, {int(counts.sum())} slots, {chunks} chunks, {stages} stages{without}{source}: "
                   f"{ms * 1e3:.1f} us ({flops / (ms * 1e-3) / rate:.2f} of the matmul rate)", flush=True)
         del act, weights, out, images

@@ -160,9 +160,10 @@ def test_specialized_bound_variants_name_chunks_stages_and_what_they_leave_out(m
         sys.modules.pop("specialized_bound", None)
 
 
-@pytest.mark.parametrize("spec_name, image_copies", [("w4a16-g128", 0), ("nvfp4", 0), ("zero points", 0),
-                                                    ("zero points", 1), ("nvfp4", 3), ("zero points", "tensors")])
-def test_specialized_bound_computes_the_grouped_product_it_times(spec_name, image_copies, monkeypatch):
+@pytest.mark.parametrize("spec_name, image_copies, steps_first", [
+    ("w4a16-g128", 0, False), ("nvfp4", 0, False), ("zero points", 0, False), ("zero points", 1, False),
+    ("nvfp4", 3, False), ("zero points", "tensors", False), ("w4a16-g128", 1, True)])
+def test_specialized_bound_computes_the_grouped_product_it_times(spec_name, image_copies, steps_first, monkeypatch):
     """The warp-specialised bound (bulk copies of each stage on mbarriers, producer warps
     decoding the native layout with the GEMM's reader into wgmma's A tiles, a consumer
     warpgroup's wgmma at the width its expert's slots need, named barriers) gives act @
@@ -170,8 +171,9 @@ def test_specialized_bound_computes_the_grouped_product_it_times(spec_name, imag
     shape of six CTAs (three experts of 5, 16 and no slots, two feature tiles) whose 4
     stages go round a 2-stage ring twice (on the GPU the script checks itself at a larger
     one before it times). `image_copies` not 0: each stage's weights from their stage
-    image (the weights staged by `copy_bulk` and written back stage by stage), in that
-    many copies a stage or a copy a tensor."""
+    image (the weights staged by `copy_bulk` and written back stage by stage, a CTA's
+    stages or `steps_first` a step's tiles one after another), in that many copies a
+    stage or a copy a tensor."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     try:
         from layouts import formats
@@ -179,6 +181,7 @@ def test_specialized_bound_computes_the_grouped_product_it_times(spec_name, imag
         bound = importlib.import_module("specialized_bound")
         spec = bound.SPECS.get(spec_name) or formats.native(4, 64, zero_points=True)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        assert bound.bound_error(spec, [5, 16, 0], 256, 256, 2, 2, device, image_copies=image_copies) < 1e-5
+        assert bound.bound_error(spec, [5, 16, 0], 256, 256, 2, 2, device, image_copies=image_copies,
+                                 steps_first=steps_first) < 1e-5
     finally:
         sys.modules.pop("specialized_bound", None)
