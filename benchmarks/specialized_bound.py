@@ -1,6 +1,7 @@
 """What a warp-specialised prefill GEMM could reach at Mixtral's M = 256, on the GPU:
 
-    python3 benchmarks/specialized_bound.py [--format nvfp4] [--variants 2:3 2:4 2:3:act ...] [--image-copies 0 1 tensors] [--steps-first]
+    python3 benchmarks/specialized_bound.py [--format nvfp4] [--variants 2:3 2:4 2:3:act ...]
+        [--image-copies 0 1 tensors] [--steps-first]
 
 At 64 slots an expert the prefill tiles are latency-bound (Nsight Compute, fifty-fifth
 session of `benchmarks/LOG.md`): each warp decodes its weights and then feeds them to
