@@ -113,10 +113,7 @@ class LoRAHooks(MoEHooks):
             raise ValueError(f"token_adapter has {token_adapter.shape[0]} tokens, the hooks hold {self.max_tokens}")
         adapters = self.scaling.shape[0]
         if check and token_adapter.numel():
-            low, high = int(token_adapter.min()), int(token_adapter.max())
-            if low < -1 or high >= adapters:
-                raise ValueError(f"token_adapter must lie in [-1, {adapters}) (-1: no adapter), got values from {low} "
-                                 f"to {high}")
+            interop.check_range("token_adapter", token_adapter, -1, adapters, " (-1: no adapter)")
         self._token_adapter[:token_adapter.shape[0]].copy_(token_adapter)
         self._num_tokens = token_adapter.shape[0]
 

@@ -71,13 +71,6 @@ class Inputs:
         return self.hidden_states.shape[0], dtypes
 
 
-def check_expert_ids(config: MoEConfig, topk_ids: torch.Tensor) -> None:
-    """Raise if any expert id lies outside [0, num_experts) (synchronises the host)."""
-    low, high = int(topk_ids.min()), int(topk_ids.max())
-    if low < 0 or high >= config.num_experts:
-        raise ValueError(f"topk_ids must lie in [0, {config.num_experts}), got values from {low} to {high}")
-
-
 def check_weights(config: MoEConfig, weights: ExpertWeights) -> None:
     """Raise unless `weights` were built for `config` and every local expert is loaded."""
     if not isinstance(weights, ExpertWeights):
@@ -122,8 +115,8 @@ def check_inputs(config: MoEConfig, weights: ExpertWeights, workspace: Workspace
     shape = (tokens, config.top_k)
     topk_weights = interop.check_tensor("topk_weights", topk[0], dtype=torch.float32, shape=shape)
     topk_ids = interop.check_tensor("topk_ids", topk[1], dtype=torch.int32, shape=shape)
-    if check_ids:
-        check_expert_ids(config, topk_ids)
+    if check_ids:  # a host sync
+        interop.check_range("topk_ids", topk_ids, 0, config.num_experts)
     return Inputs(hidden_states, topk_weights=topk_weights, topk_ids=topk_ids)
 
 

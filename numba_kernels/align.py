@@ -370,18 +370,14 @@ def check_out_triple(out, lengths) -> list[torch.Tensor]:
 
 def _check_id_values(ids: torch.Tensor, expert_map: torch.Tensor | None, num_experts: int) -> None:
     """Validate id values (two reductions and a host sync: not for the hot path)."""
-    if ids.numel() and not bool(((ids >= 0) & (ids < num_experts)).all()):
-        raise ValueError(f"topk_ids must lie in [0, {num_experts}), got values from {int(ids.min())} "
-                         f"to {int(ids.max())} (pass check_ids=False to drop invalid ids instead)")
+    interop.check_range("topk_ids", ids, 0, num_experts, " (pass check_ids=False to drop invalid ids instead)")
     if expert_map is not None:
         check_expert_map(expert_map, num_experts)
 
 
 def check_expert_map(expert_map: torch.Tensor, num_experts: int) -> None:
     """Raise unless every entry is a local id in [0, num_experts) or -1 (a host sync)."""
-    if not bool(((expert_map >= -1) & (expert_map < num_experts)).all()):
-        raise ValueError(f"expert_map must hold local ids in [0, {num_experts}) or -1, got values from "
-                         f"{int(expert_map.min())} to {int(expert_map.max())}")
+    interop.check_range("expert_map", expert_map, -1, num_experts, " (local ids, -1: an expert of another rank)")
 
 
 def check_alignment_ids(sorted_token_ids, expert_ids, num_tokens_post_padded, block_m: int,

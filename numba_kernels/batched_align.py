@@ -60,9 +60,8 @@ def make_batched_align_kernel(tokens_per_expert: int, block_size: int):
 
 def check_count_values(counts: torch.Tensor, tokens_per_expert: int) -> None:
     """Raise unless every count lies in [0, tokens_per_expert] (synchronises the host)."""
-    if not bool(((counts >= 0) & (counts <= tokens_per_expert)).all()):
-        raise ValueError(f"counts must lie in [0, {tokens_per_expert}] (tokens_per_expert), got values from "
-                         f"{int(counts.min())} to {int(counts.max())}")
+    interop.check_range("counts", counts, 0, tokens_per_expert + 1,
+                        f" (at most tokens_per_expert = {tokens_per_expert})")
 
 
 def batched_align(counts, tokens_per_expert: int, block_size: int, *, out=None, check_counts: bool = True):

@@ -100,15 +100,14 @@ def check_count(name: str, value, low: int, high: int | None = None) -> None:
         raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
 
 
-def check_range(name: str, values: torch.Tensor, low: int, high: int | None = None) -> None:
-    """Raise unless every entry of `values` lies in [low, high) (high None: at least low):
-    ids a kernel would index with. Reductions and a host sync, so for checked calls, not
-    the hot path."""
+def check_range(name: str, values: torch.Tensor, low: int, high: int | None = None, hint: str = "") -> None:
+    """Raise unless every entry of `values` lies in [low, high) (high None: at least low),
+    naming the range found and ending with `hint`: ids a kernel would index memory with.
+    Reductions and a host sync, so for checked calls, not the hot path."""
     inside = values >= low if high is None else (values >= low) & (values < high)
     if values.numel() and not bool(inside.all()):
-        bound = f">= {low}" if high is None else f"in [{low}, {high})"
-        raise ValueError(f"{name} must be {bound}, got values from {int(values.min())} to {int(values.max())} "
-                         f"(the kernel indexes with them)")
+        bound = f"be >= {low}" if high is None else f"lie in [{low}, {high})"
+        raise ValueError(f"{name} must {bound}, got values from {int(values.min())} to {int(values.max())}{hint}")
 
 
 def check_disjoint(tensors: dict) -> None:

@@ -72,12 +72,6 @@ def _exactly_as(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Te
     return converted
 
 
-def _check_groups(name: str, g_idx: torch.Tensor, groups: int) -> None:
-    low, high = int(g_idx.min()), int(g_idx.max())
-    if low < 0 or high >= groups:
-        raise ValueError(f"{name} must lie in [0, {groups}) (the scale groups), got values from {low} to {high}")
-
-
 def _check_permutations(name: str, order: torch.Tensor) -> None:
     k = order.shape[-1]
     identity = torch.arange(k, dtype=order.dtype, device=order.device).expand_as(order)
@@ -163,7 +157,7 @@ class KernelWeights:
         if spec.g_idx_name is not None:
             g_idx = per_feature(spec.g_idx_name)
             if check_indices:
-                _check_groups(f"{spec.name}: {spec.g_idx_name}", g_idx, groups)
+                interop.check_range(f"{spec.name}: {spec.g_idx_name}", g_idx, 0, groups, " (the scale groups)")
         k_order = torch.zeros((1, 1), dtype=torch.int32, device=device)
         if spec.sort_k_by_group:
             k_order = per_feature(spec.sort_indices_name)

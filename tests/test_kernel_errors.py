@@ -59,8 +59,8 @@ def test_alignment_ids_are_checked_before_the_gemm_indexes_memory_with_them():
     used = int(num_post[0])
     expected = grouped_gemm(act, weights, sorted_ids, expert_ids, num_post, num_slots=2, tile=GemmTile(block_m=16))
     for name, index, value, message in (
-            ("expert", 0, 2, r"expert_ids \(the blocks in use\) must be in \[-1, 2\), got values from 1 to 2"),
-            ("expert", 1, -2, r"expert_ids \(the blocks in use\) must be in \[-1, 2\), got values from -2 to 0"),
+            ("expert", 0, 2, r"expert_ids \(the blocks in use\) must lie in \[-1, 2\), got values from 1 to 2"),
+            ("expert", 1, -2, r"expert_ids \(the blocks in use\) must lie in \[-1, 2\), got values from -2 to 0"),
             ("slot", 0, -5, r"sorted_token_ids \(the blocks in use\) must be >= 0, got values from -5 to")):
         bad_sorted, bad_experts = sorted_ids.clone(), expert_ids.clone()
         (bad_experts if name == "expert" else bad_sorted)[index] = value
@@ -77,11 +77,11 @@ def test_permute_checks_the_order_and_the_alignment_it_indexes_with():
     order = torch.arange(64, dtype=torch.int32, device=DEVICE).repeat(2, 1)
     bad_order = order.clone()
     bad_order[1, 5] = 64
-    with pytest.raises(ValueError, match=r"order must be in \[0, 64\), got values from 0 to 64"):
+    with pytest.raises(ValueError, match=r"order must lie in \[0, 64\), got values from 0 to 64"):
         permute_slots(act, bad_order, sorted_ids, expert_ids, num_post, num_slots=2, block_m=16)
     bad_experts = expert_ids.clone()
     bad_experts[0] = 2
-    with pytest.raises(ValueError, match=r"expert_ids \(the blocks in use\) must be in \[-1, 2\)"):
+    with pytest.raises(ValueError, match=r"expert_ids \(the blocks in use\) must lie in \[-1, 2\)"):
         permute_slots(act, order, sorted_ids, bad_experts, num_post, num_slots=2, block_m=16)
     permute_slots(act, order[:1], sorted_ids, bad_experts, num_post, num_slots=2, block_m=16)  # one order for all
     bad_sorted = sorted_ids.clone()
@@ -101,13 +101,13 @@ def test_lora_ids_are_checked_before_the_kernel_indexes_memory_with_them():
                  expert_map=expert_map, rows_div=1)
 
     ids, adapters = _ints(2, 1), _ints(2)
-    with pytest.raises(ValueError, match=r"topk_ids must be in \[0, 2\), got values from 0 to 2"):
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 2\), got values from 0 to 2"):
         call(torch.tensor([[0], [2]], dtype=torch.int32, device=DEVICE), adapters)
-    with pytest.raises(ValueError, match=r"topk_ids must be in \[0, 4\), got values from 0 to 4"):
+    with pytest.raises(ValueError, match=r"topk_ids must lie in \[0, 4\), got values from 0 to 4"):
         call(torch.tensor([[0], [4]], dtype=torch.int32, device=DEVICE), adapters, expert_map=_ints(4))
-    with pytest.raises(ValueError, match=r"token_adapter must be in \[-1, 1\), got values from -2 to 0"):
+    with pytest.raises(ValueError, match=r"token_adapter must lie in \[-1, 1\), got values from -2 to 0"):
         call(ids, torch.tensor([0, -2], dtype=torch.int32, device=DEVICE))
-    with pytest.raises(ValueError, match=r"expert_map must be in \[-1, 2\), got values from -1 to 3"):
+    with pytest.raises(ValueError, match=r"expert_map must lie in \[-1, 2\), got values from -1 to 3"):
         call(ids, adapters, expert_map=torch.tensor([0, 3, -1], dtype=torch.int32, device=DEVICE))
 
 
@@ -115,7 +115,7 @@ def test_act_order_indices_are_checked_before_a_kernel_indexes_memory_with_them(
     spec, shape = formats.marlin(4, 32, act_order=True), (1, 64, 64)
     q = random_quantized(spec, shape, np.random.default_rng(0))
     physical = spec.pack(q)
-    with pytest.raises(ValueError, match=r"marlin_int4: g_idx must lie in \[0, 2\) \(the scale groups\), got values "
+    with pytest.raises(ValueError, match=r"marlin_int4: g_idx must lie in \[0, 2\), got values "
                                          r"from 50 to 50"):
         KernelWeights.from_physical(spec, {**physical, "g_idx": np.full_like(physical["g_idx"], 50)}, shape)
     repeated = physical["g_idx_sort_indices"].copy()
@@ -146,7 +146,7 @@ def test_permute_and_lora_counts():
 
 def test_route_and_align_checks_the_expert_map():
     logits = torch.zeros(2, 4, device=DEVICE)
-    with pytest.raises(ValueError, match=r"expert_map must hold local ids in \[0, 4\) or -1, got values from 9 to 9"):
+    with pytest.raises(ValueError, match=r"expert_map must lie in \[-1, 4\), got values from 9 to 9 \(local ids"):
         route_and_align(logits, RoutingConfig(top_k=2), 16, expert_map=torch.full((4,), 9, dtype=torch.int32,
                                                                                   device=DEVICE))
 
