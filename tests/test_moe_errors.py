@@ -63,7 +63,8 @@ def test_act_order_g_idx_must_be_group_indices_of_every_input_feature():
     weights = MoELayer(config, max_tokens=1).weights
     w2 = _expert(checkpoint.w2)
     for g_idx, error, message in (
-            (np.arange(64, dtype=np.int32) // 32 - 1, ValueError, r"g_idx must lie in \[0, 2\), got values from -1 to 0 \(the scale groups\)"),
+            (np.arange(64, dtype=np.int32) // 32 - 1, ValueError,
+             r"g_idx must lie in \[0, 2\), got values from -1 to 0 \(the scale groups\)"),
             (np.zeros(63, np.int32), ValueError, r"g_idx must be shaped \(64,\) or \(1, 64\), got \(63,\)"),
             (np.zeros(64, np.float32), TypeError, "g_idx must be stored as torch.int32, got torch.float32")):
         with pytest.raises(error, match="expert 0, w1: .*" + message):
