@@ -93,21 +93,22 @@ def widths_for(counts) -> tuple[int, ...]:
     return tuple(sorted({8 * -(-int(count) // 8) for count in counts if count > 0}))
 
 
-def expert_widths(counts, widths) -> list[int]:
-    """The width each expert multiplies by: the narrowest of `widths` that holds its
-    count (the kernel's `width_of`)."""
-    return [min([w for w in widths if w >= count] or [max(widths)]) for count in counts]
+def width_picks(counts, widths) -> list[int]:
+    """The index in `widths` of the width each expert multiplies by: the narrowest that
+    holds its count (the widest for more), -1 for an expert without slots."""
+    return [-1 if count == 0 else min([i for i, w in enumerate(widths) if w >= count] or [len(widths) - 1])
+            for count in counts]
 
 
 @functools.cache
 def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int, stages: int, leave_out: str = "",
                       image_copies: int | str = 0, steps_first: bool = False):
-    """(kernel(act, weights, counts, out), shared words) for weights `spec` of shape (n,
-    k) an expert, `chunks` chunks a CTA and a `stages`-deep ring; an expert of
-    counts[e] slots multiplies its stages by the narrowest of `widths` (wgmma's N, a
-    multiple of 8) that holds them, so its weights are decoded once however many slots
-    it has (`act` as `stage_blocks` stores it, max(widths) rows an expert; `weights` the
-    `KernelWeights` arrays); grid (n / (64 chunks), experts), 128 + 64 chunks threads.
+    """(kernel(act, weights, picks, out), shared words) for weights `spec` of shape (n,
+    k) an expert, `chunks` chunks a CTA and a `stages`-deep ring; expert e multiplies
+    its stages by widths[picks[e]] (wgmma's N, a multiple of 8: `width_picks`; none for
+    -1), so its weights are decoded once however many slots it has (`act` as
+    `stage_blocks` stores it, max(widths) rows an expert; `weights` the `KernelWeights`
+    arrays); grid (n / (64 chunks), experts), 128 + 64 chunks threads.
     `leave_out` one of LEFT_OUT, timing only (wrong results): what the loop costs
     without it. `image_copies` not 0: each stage's weights from `stage_image`, passed
     after the weights' arrays (what a layout stored stage by stage would give), in the
@@ -293,23 +294,17 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
     produce_round = functools.reduce(chain, [producer_step(b) for b in range(stages)])
     consume = functools.reduce(chain, [consumer(i, width) for i, width in enumerate(widths)])
 
-    @ptx.device
-    def width_of(count):
-        """(the narrowest of `widths` that holds `count` slots, its index)."""
-        width, index = uint32(widths[-1]), uint32(len(widths) - 1)
-        for i in range(len(widths) - 1, -1, -1):
-            if count <= uint32(widths[i]):
-                width, index = uint32(widths[i]), uint32(i)
-        return width, index
-
     @ptx.kernel(launch_bounds=threads)
-    def bound(act, weights, counts, out):
+    def bound(act, weights, picks, out):
         shared = cuda.shared.array(0, uint32)
         tid, ftile, expert = uint32(cuda.threadIdx.x), uint32(cuda.blockIdx.x), uint32(cuda.blockIdx.y)
-        count = uint32(counts[expert])
-        if count == uint32(0):
+        pick = picks[expert]
+        if pick < 0:
             return
-        width, width_index = width_of(count)
+        width, width_index = uint32(0), uint32(pick)
+        for i in range(len(widths)):
+            if width_index == uint32(i):
+                width = uint32(widths[i])
         first_chunk = ftile * uint32(chunks)
         if tid == uint32(0):
             for b in range(stages):
@@ -412,7 +407,7 @@ def stage_blocks(act: torch.Tensor, widths: list[int]) -> torch.Tensor:
     """Activations (experts, slots, k) -> (experts, k / 64, stage's words at `slots`):
     each stage's first widths[e] slots in the order its B tiles hold them (slab, 8
     slots, 8 of K, slot, 8 halves), so that one bulk copy of an expert's width fills a
-    stage."""
+    stage (0 for an expert without slots)."""
     experts, slots, k = act.shape
     blocks = torch.zeros(experts, k // STEP_K, STAGE_SLABS * slots * 8, dtype=torch.int32, device=act.device)
     for e, width in enumerate(widths):
@@ -442,18 +437,18 @@ def bound_inputs(spec, experts: int, n: int, k: int, slots: int, seed: int, devi
     return act, weights, dense.repeat(experts, n // sample_n, 1)
 
 
-def run_bound(act, weights, counts, widths, out, chunks: int, stages: int, leave_out: str = "", image=None,
+def run_bound(act, weights, picks, widths, out, chunks: int, stages: int, leave_out: str = "", image=None,
               image_copies: int | str = 1, steps_first: bool = False):
     """Launch the bound kernel on torch's stream: `act` as `stage_blocks` stores it,
-    `counts` (experts,) int32 slots an expert on the GPU, `widths` what `widths_for`
-    gives for them; `image` (`stage_image` of the weights at `chunks`, in the order
+    `picks` (experts,) int32 on the GPU, `width_picks` of the experts' slot counts and
+    `widths`; `image` (`stage_image` of the weights at `chunks`, in the order
     `steps_first` says): the weights copied from it in `image_bounds`' copies a stage."""
     experts, _, n = out.shape
     kernel, words = make_bound_kernel(weights.spec, n, weights.shape[2], widths, chunks, stages, leave_out,
                                       image_copies if image is not None else 0, steps_first)
     arrays = weights.arrays() + ((interop.to_kernel(image),) if image is not None else ())
     launch_kernel(kernel, (n // (CHUNK_N * chunks), experts), 128 + 64 * chunks, interop.to_kernel(act), arrays,
-                  interop.to_kernel(counts), interop.to_kernel(out), shared_bytes=4 * words)
+                  interop.to_kernel(picks), interop.to_kernel(out), shared_bytes=4 * words)
 
 
 def bound_error(spec, counts: list[int], n: int, k: int, chunks: int, stages: int, device, *,
@@ -465,8 +460,9 @@ def bound_error(spec, counts: list[int], n: int, k: int, chunks: int, stages: in
     widths = widths_for(counts)
     act, weights, dense = bound_inputs(spec, len(counts), n, k, max(widths), 0, device, sample_n=n // 2)
     out = torch.zeros(len(counts), max(widths), n, dtype=torch.float32, device=device)
-    run_bound(stage_blocks(act, expert_widths(counts, widths)), weights,
-              torch.tensor(counts, dtype=torch.int32, device=device), widths, out, chunks, stages,
+    picks = width_picks(counts, widths)
+    run_bound(stage_blocks(act, [widths[p] if p >= 0 else 0 for p in picks]), weights,
+              torch.tensor(picks, dtype=torch.int32, device=device), widths, out, chunks, stages,
               image=stage_image(weights, chunks, steps_first) if image_copies else None, image_copies=image_copies,
               steps_first=steps_first)
     reference = act.double().cpu() @ dense.to(torch.bfloat16).double().transpose(1, 2)
@@ -532,7 +528,9 @@ def main(argv=None) -> None:
               torch.bincount(topk_ids.flatten().long(), minlength=config.num_experts)).to(torch.int32).cuda()
     widths = widths_for(counts.tolist())
     widths = widths[-1:] if args.one_width else widths
+    picks = width_picks(counts.tolist(), widths)
     print(f"slots an expert {counts.tolist()}: wgmma widths {widths}")
+    pick_tensor = torch.tensor(picks, dtype=torch.int32, device="cuda")
     for name, gemm, n, k in (("gemm1", gemms[0], 2 * config.intermediate_size, config.hidden_size),
                              ("gemm2", gemms[1], config.hidden_size, config.intermediate_size)):
         own = timer(captured(gemm))
@@ -540,12 +538,12 @@ def main(argv=None) -> None:
         print(f"{name} (N {n}, K {k}): the layer's own {own * 1e3:.1f} us at M = {args.tokens} "
               f"({2 * args.tokens * config.top_k * n * k / (own * 1e-3) / rate:.2f} of the matmul rate)")
         act, weights, _ = bound_inputs(spec, config.num_experts, n, k, max(widths), 1, "cuda")
-        act = stage_blocks(act, expert_widths(counts.tolist(), widths))
+        act = stage_blocks(act, [widths[p] if p >= 0 else 0 for p in picks])
         out = torch.empty(config.num_experts, max(widths), n, dtype=torch.float32, device="cuda")
         images = {chunks: stage_image(weights, chunks, args.steps_first) for chunks, _, _ in args.variants
                   if any(args.image_copies)}
         for (chunks, stages, leave_out), copies in itertools.product(args.variants, args.image_copies):
-            ms = timer(captured(functools.partial(run_bound, act, weights, counts, widths, out, chunks, stages,
+            ms = timer(captured(functools.partial(run_bound, act, weights, pick_tensor, widths, out, chunks, stages,
                                                   leave_out, images.get(chunks) if copies else None, copies,
                                                   args.steps_first)))
             without = f", without {leave_out}" if leave_out else ""
