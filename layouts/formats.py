@@ -6,7 +6,8 @@ Read each one as a formula on the logical codes (N, K) (the last step applies la
     awq:                 qweight = BitPack(4, cols, awq order) ∘ Transpose   (K, N/8)
     compressed_tensors:  weight_packed = BitPack(b, cols)                    (N, ceil(K/(32/b)))
     marlin:              qweight = BitPack(b, cols) ∘ Permute(weight perm) ∘ Tile(16, 16) ∘ Transpose
-    native:              marlin ∘ Pad(16, 64): the kernels' layout (NVFP4 too, bits placed)
+    native:              BitPack ∘ Permute ∘ STAGE_TILE ∘ Tile(16, 16) ∘ Pad(64, 128) ∘ Transpose:
+                         Marlin's tiles stored stage by stage, the kernels' layout (NVFP4 too, bits placed)
     nvfp4:               weight_packed = BitPack(4, cols, bytes);  weight_scale = [Swizzle128x4]
     trtllm_fp4_moe:      rows: Permute(32-row shuffle) ∘ [InterleaveHalves]; scales then Swizzle128x4
 
@@ -126,12 +127,21 @@ def marlin(bits: int = 4, group_size: int | None = 128, *, zero_points: bool = F
                          zero_points=zero_points, act_order=act_order, scale_format=FloatFormat(scale_dtype))
 
 
+STAGE_TILE = Tile(4, 2048)
+"""The native layout's tiles of Marlin's slabs (rows of 16 input features, 1024 codes a
+64-feature chunk): 4 slabs of 2 chunks, so a prefill stage of 64 input features for a CTA
+of two chunks is one contiguous run (4 KB of int4 codes) that one bulk copy fills; a row
+of tiles holds one such step for every chunk pair."""
+
+
 def _marlin_tiles(name: str, code, bits: int, group_size: int | None, *, zero_points: bool = False,
                   act_order: bool = False, scale_format: FloatFormat, pad: tuple[int, int] | None = None,
-                  global_scale_name: str | None = None, places: tuple[int, ...] | None = None) -> QuantSpec:
-    """Marlin's tensor-core tile layout, optionally zero padded along (K, N) first; `places`
-    scatters the bits of each word (`BitPack.places`)."""
+                  stage_tile: Tile | None = None, global_scale_name: str | None = None,
+                  places: tuple[int, ...] | None = None) -> QuantSpec:
+    """Marlin's tensor-core tile layout, optionally zero padded along (K, N) first and its
+    slabs tiled again by `stage_tile`; `places` scatters the bits of each word (`BitPack.places`)."""
     padding = () if pad is None else (Pad(*pad),)
+    stage_tiles = () if stage_tile is None else (stage_tile,)
     scale_padding = () if pad is None else (Pad(1, pad[1]),)
     scale_perm = MARLIN_SCALE_PERM if group_size is not None else MARLIN_SCALE_PERM_SINGLE
     zeros = None
@@ -141,7 +151,7 @@ def _marlin_tiles(name: str, code, bits: int, group_size: int | None, *, zero_po
     return QuantSpec(
         name=name, code=code,
         weight=Tensor("qweight", Layout((Transpose(),) + padding + (
-            Tile(16, 16), Permute(marlin_weight_perm(bits)), BitPack(bits, axis=-1, places=places)))),
+            Tile(16, 16),) + stage_tiles + (Permute(marlin_weight_perm(bits)), BitPack(bits, axis=-1, places=places)))),
         scales=Tensor("scales", Layout((Transpose(),) + scale_padding + (Permute(scale_perm),))),
         scale_format=scale_format, group_size=group_size, zeros=zeros,
         g_idx_name="g_idx" if act_order else None, sort_k_by_group=act_order,
@@ -153,8 +163,9 @@ def native(bits: int = 4, group_size: int | None = 128, *, zero_points: bool = F
            half: str = "bfloat16", fp4: bool = False) -> QuantSpec:
     """The kernels' own layout, which weight processing converts every checkpoint into once:
     Marlin's tile layout (a lane's tensor-core B fragments for a 16 x 64 slab of (K, N) sit
-    in 16 contiguous bytes), zero padded so any shape fits (K to 16, N to 64), scales in
-    the activations' `half` type. The same layout serves decode and prefill.
+    in 16 contiguous bytes), its slabs stored stage by stage (`STAGE_TILE`), zero padded
+    so any shape fits (K to 64, N to 128), scales in the activations' `half` type. The
+    same layout serves decode (a lane's 16 bytes a slab) and prefill (a stage a copy).
 
     `fp4=True` is NVFP4 in the same tiles: e2m1 codes with their bits placed for bfloat16
     (`NVFP4_PLACES`), one scale byte per 16 input features (permuted like Marlin's), and
@@ -163,12 +174,14 @@ def native(bits: int = 4, group_size: int | None = 128, *, zero_points: bool = F
     two instructions instead of six."""
     if fp4:
         return _marlin_tiles("native_nvfp4", E2M1(), 4, 16, scale_format=FloatFormat("float8_ue5m3"),
-                             pad=(16, 64), global_scale_name="weight_global_scale", places=NVFP4_PLACES)
+                             pad=(64, 128), stage_tile=STAGE_TILE, global_scale_name="weight_global_scale",
+                             places=NVFP4_PLACES)
     _check_bits(bits)
     if zero_points and act_order:
         raise ValueError("the native layout has no act-order variant with zero points")
     return _marlin_tiles(f"native_int{bits}", _int_code(bits, symmetric=not zero_points), bits, group_size,
-                         zero_points=zero_points, act_order=act_order, scale_format=FloatFormat(half), pad=(16, 64))
+                         zero_points=zero_points, act_order=act_order, scale_format=FloatFormat(half), pad=(64, 128),
+                         stage_tile=STAGE_TILE)
 
 
 # NVFP4 checkpoints by exporter: the packed weight's name, the global scale's, and whether

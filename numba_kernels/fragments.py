@@ -123,18 +123,13 @@ assert UE5M3_BIAS - 29 == -FP4_DOWNSCALE
 
 
 def marlin_tile_bits(spec: QuantSpec) -> int | None:
-    """Code width if `spec`'s weight has Marlin's tile layout (optionally padded; e2m1 bits
-    optionally placed, see `e2m1_moves`), else None. Recognised by structure, so a
-    checkpoint already in Marlin form reads fast as it is."""
-    steps = spec.weight.layout.steps
-    if len(steps) == 5 and isinstance(steps[1], Pad):
-        if steps[1].rows % SLAB_K or steps[1].cols % CHUNK_N:
-            return None
-        steps = steps[:1] + steps[2:]
-    if len(steps) != 4:
-        return None
+    """Code width if `spec`'s weight has Marlin's tile layout (optionally padded, its slabs
+    optionally tiled again: `stage_tile`; e2m1 bits optionally placed, see `e2m1_moves`),
+    else None. Recognised by structure, so a checkpoint already in Marlin form reads fast
+    as it is."""
+    steps = _tile_steps(spec)
     bits = spec.code.bits
-    if bits not in (4, 8):
+    if steps is None or bits not in (4, 8):
         return None
     *tiles, pack = steps
     if (tuple(tiles) != (Transpose(), Tile(16, 16), Permute(marlin_weight_perm(bits))) or not isinstance(pack, BitPack)
@@ -143,6 +138,29 @@ def marlin_tile_bits(spec: QuantSpec) -> int | None:
     if pack.places is not None and not (isinstance(spec.code, E2M1) and e2m1_moves(pack.places, "bfloat16")):
         return None  # (movable or not alike in both half types)
     return bits
+
+
+def stage_tile(spec: QuantSpec) -> tuple[int, int]:
+    """(slabs, chunks) of the tiles a Marlin-tile weight stores its slab-chunks in, (1, 1)
+    for Marlin's own rows (`formats.STAGE_TILE` in the native layout)."""
+    steps = spec.weight.layout.steps
+    tile = next((step for step in steps[3:] if isinstance(step, Tile)), None)
+    return (1, 1) if tile is None else (tile.rows, tile.cols // (CHUNK_N * SLAB_K))
+
+
+def _tile_steps(spec: QuantSpec) -> list | None:
+    """The weight's steps without the padding and the stage tile that Marlin's tile layout
+    may carry (None if they cannot sit in whole slabs and chunks)."""
+    steps = list(spec.weight.layout.steps)
+    if len(steps) > 1 and isinstance(steps[1], Pad):
+        if steps[1].rows % SLAB_K or steps[1].cols % CHUNK_N:
+            return None
+        del steps[1]
+    if len(steps) > 2 and steps[1] == Tile(SLAB_K, SLAB_K) and isinstance(steps[2], Tile):
+        if steps[2].cols % (CHUNK_N * SLAB_K):
+            return None
+        del steps[2]
+    return steps if len(steps) == 4 else None
 
 
 def e2m1_moves(places: tuple[int, ...] | None, half: str) -> tuple | None:
@@ -291,21 +309,38 @@ def _group_of_slab(spec: QuantSpec):
 
 @attrs.frozen
 class TileGeometry:
-    """Where a Marlin-tile weight keeps its words: (E * slab_rows, slab_words) int32, a
-    slab-chunk's words contiguous, a lane's `words_per_lane` of them contiguous."""
+    """Where a Marlin-tile weight keeps its words: (E * rows, row_words) int32, a row per
+    `tile_slabs` slabs, whose slab-chunks (`words_per_chunk` contiguous words, a lane's
+    `words_per_lane` of them contiguous) sit tile by tile, `tile_slabs` x `tile_chunks`
+    slab-major in each (`stage_tile`)."""
 
     bits: int
-    slab_rows: int
-    slab_words: int
+    rows: int
+    row_words: int
     words_per_chunk: int
     words_per_lane: int
+    tile_slabs: int
+    tile_chunks: int
 
     @classmethod
     def of(cls, spec: QuantSpec, n: int, k: int) -> "TileGeometry":
         bits = marlin_tile_bits(spec)
-        slab_rows, slab_words = spec.weight.layout.physical_shape((n, k))
+        rows, row_words = spec.weight.layout.physical_shape((n, k))
         words_per_chunk = CHUNK_N * SLAB_K * bits // 32
-        return cls(bits, slab_rows, slab_words, words_per_chunk, words_per_chunk // 32)
+        return cls(bits, rows, row_words, words_per_chunk, words_per_chunk // 32, *stage_tile(spec))
+
+    def word_of(self):
+        """Device function (e, slab, chunk) -> int64 word where the slab-chunk starts."""
+        rows, row_words, words_per_chunk = self.rows, self.row_words, self.words_per_chunk
+        tile_slabs, tile_chunks = uint32(self.tile_slabs), uint32(self.tile_chunks)
+
+        @device
+        def word_of(e, slab, chunk):
+            slab, chunk = uint32(slab), uint32(chunk)  # unsigned: the divisions by powers of two are shifts
+            column = (chunk // tile_chunks * tile_slabs + slab % tile_slabs) * tile_chunks + chunk % tile_chunks
+            return (int64(e) * rows + slab // tile_slabs) * row_words + int64(column) * words_per_chunk
+
+        return word_of
 
 
 def bit_spread(moves: tuple) -> tuple[int, int, int, int] | None:
@@ -379,8 +414,7 @@ def _bit_chain(moves: tuple, and_or):
 
 def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneScales | None) -> FragmentReader:
     geometry = TileGeometry.of(spec, n, k)
-    bits, slab_rows, slab_words = geometry.bits, geometry.slab_rows, geometry.slab_words
-    words_per_chunk, words_per_lane = geometry.words_per_chunk, geometry.words_per_lane
+    bits, words_per_lane, word_of = geometry.bits, geometry.words_per_lane, geometry.word_of()
     fp4 = isinstance(spec.code, E2M1)
     constants = HALF_CONSTANTS[half]
     fma2, pack2 = ptx.fma2(half), ptx.pack2(half)
@@ -436,7 +470,7 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
 
     @device
     def fetch(weights, e, slab, chunk, lane_id, raw):
-        first = (int64(e) * slab_rows + slab) * slab_words + chunk * words_per_chunk + lane_id * words_per_lane
+        first = word_of(e, slab, chunk) + lane_id * words_per_lane
         raw[0], raw[1], raw[2], raw[3] = load4(weights[0], first)
         if words_per_lane == 8:
             raw[4], raw[5], raw[6], raw[7] = load4(weights[0], first + 4)
@@ -610,7 +644,9 @@ class StagedWeights:
 class CopyStream:
     """The 16-byte units one source array contributes to a stage: `per_row` units of each
     of its rows the stage covers (a row: one slab of weight words, or one scale group of
-    scales or zero points), `elements_per_chunk` elements of a row per 64-feature chunk."""
+    scales or zero points), `elements_per_chunk` elements of a row per 64-feature chunk.
+    The array stores its rows' chunks as `TileGeometry` says (a physical row per
+    `tile_rows` rows, tiles of `tile_rows` x `tile_chunks`; 1 x 1: a row as it is)."""
 
     array: int  # index in the kernel's weights tuple
     units: int
@@ -622,6 +658,8 @@ class CopyStream:
     elements_per_unit: int
     first_word: int  # where the stream starts in a stage buffer
     first_copy: int  # where its copies start in a thread's sources
+    tile_rows: int = 1
+    tile_chunks: int = 1
 
 
 def _stream_copies(stream: CopyStream, threads: int, n_chunks: int, chunks: int):
@@ -632,6 +670,7 @@ def _stream_copies(stream: CopyStream, threads: int, n_chunks: int, chunks: int)
     rows_per_expert, row_length, first_word, first_copy = (stream.rows_per_expert, stream.row_length,
                                                            stream.first_word, stream.first_copy)
     per_chunk, per_unit = stream.elements_per_chunk, stream.elements_per_unit
+    tile_rows, tile_chunks = stream.tile_rows, stream.tile_chunks
     copy_async = ptx.copy_async
 
     first_half = chunks // 2 * per_chunk  # elements of a row from the first run of chunks
@@ -646,15 +685,19 @@ def _stream_copies(stream: CopyStream, threads: int, n_chunks: int, chunks: int)
                 run = first_chunk if local < first_half else second_chunk - chunks // 2
                 element = run * per_chunk + local
                 if element < n_chunks * per_chunk:
-                    row = uint32(e * rows_per_expert + unit // uint32(per_row))
-                    sources[first_copy + i] = uint32(row * uint32(row_length) + uint32(element))
+                    row, chunk = int64(unit // uint32(per_row)), int64(element) // per_chunk  # once a CTA: int64
+                    tile = (chunk // tile_chunks * tile_rows + row % tile_rows) * tile_chunks + chunk % tile_chunks
+                    sources[first_copy + i] = uint32((int64(e) * rows_per_expert + row // tile_rows) * row_length
+                                                     + tile * per_chunk
+                                                     + int64(element) % per_chunk)
 
     def make_copy(checked: bool):
         """Copies of a stage; `checked`: zero-fill rows at or past `remaining` slabs."""
 
         @device
         def copy(weights, sources, first_slab, remaining, tiles, base, thread):
-            advance = uint32(first_slab) // uint32(slabs_per_row) * uint32(row_length)
+            row = uint32(first_slab) // uint32(slabs_per_row)  # within a tile row or at its start: `staged_weights`
+            advance = row // uint32(tile_rows) * uint32(row_length) + row % uint32(tile_rows) * uint32(tile_chunks * per_chunk)
             for i in range(copies):
                 unit = uint32(thread) + uint32(i * threads)
                 source = sources[first_copy + i]
@@ -675,9 +718,11 @@ def _stream_copies(stream: CopyStream, threads: int, n_chunks: int, chunks: int)
 def staging_supported(spec: QuantSpec, n: int, k: int, half: str, stage_slabs: int) -> bool:
     """Whether the prefill GEMM can stage `spec` through shared memory: Marlin tiles whose
     scales sit lane-contiguous (`lane_scales`), rows of whole 16-byte units, K in whole
-    slabs and scale groups that a stage never straddles."""
+    slabs, stages of whole stage tiles or within one, and scale groups that a stage never
+    straddles."""
     lane = lane_scales(spec, n, k, half) if fast_path_supported(spec, half) else None
-    if lane is None or k % SLAB_K or lane.zero_row_words % 4:
+    tile_slabs = stage_tile(spec)[0]
+    if lane is None or k % SLAB_K or lane.zero_row_words % 4 or (stage_slabs % tile_slabs and tile_slabs % stage_slabs):
         return False
     stage_k, group_size = stage_slabs * SLAB_K, spec.group_size
     return group_size is None or group_size % stage_k == 0 or stage_k % group_size == 0
@@ -708,8 +753,8 @@ def staged_weights(spec: QuantSpec, n: int, k: int, half: str, chunks: int, slab
     scale_words, zero_words = lane.scale_words, int(lane.zero_row_words > 0)
     chunk_scale_words = CHUNK_N * scale_words // 8  # a chunk's 64 scales (2 or 1 bytes each), in words
     # Weight words per slab, then scales and zero points per group, each in 16-byte units.
-    weights = CopyStream(0, slabs * chunks * words_per_chunk // 4, chunks * words_per_chunk // 4, 1, geometry.slab_rows,
-                         geometry.slab_words, words_per_chunk, 4, 0, 0)
+    weights = CopyStream(0, slabs * chunks * words_per_chunk // 4, chunks * words_per_chunk // 4, 1, geometry.rows,
+                         geometry.row_words, words_per_chunk, 4, 0, 0, geometry.tile_slabs, geometry.tile_chunks)
     scales = CopyStream(1, stage_groups * chunks * chunk_scale_words // 4, chunks * chunk_scale_words // 4,
                         slabs_per_group, lane.groups, lane.row_elements, CHUNK_N, 16 // (2 if scale_words == 4 else 1),
                         4 * weights.units, -(-weights.units // threads))
@@ -763,18 +808,31 @@ def staged_weights(spec: QuantSpec, n: int, k: int, half: str, chunks: int, slab
 
     run_chunks = chunks // 2  # the first run of chunks (gemm1's gate half, `plan`); the rest follow second_chunk
     chunk_zero_words = 8 * zero_words
-    slab_rows, slab_words = geometry.slab_rows, geometry.slab_words
+    tile_slabs, tile_chunks, word_of = geometry.tile_slabs, geometry.tile_chunks, geometry.word_of()
+    # Chunks of a slab one after another in memory: a tile's (all of them in Marlin's own rows).
+    contiguous = tile_chunks if tile_slabs > 1 else n_chunks
+    whole_tiles = chunks == tile_chunks and slabs % tile_slabs == 0  # a stage of whole tiles, as the shared order
     groups, scale_row, zero_row = lane.groups, lane.row_elements, lane.zero_row_words
     bulk_copy = ptx.bulk_copy
 
     @device
     def copy_rows(weights, e, chunk, local, count, first_slab, tiles, base, barrier):
         """The stage's rows of `count` chunks from `chunk` on, to local chunk `local`:
-        weight words a slab, scales and zero points a group."""
-        for slab in range(slabs):
-            row = int64(e) * slab_rows + first_slab + slab
-            bulk_copy(tiles, base + (slab * chunks + local) * words_per_chunk, weights[0],
-                      row * slab_words + chunk * words_per_chunk, 4 * count * words_per_chunk, barrier)
+        weight words a tile (a CTA of one tile's chunks) or else a slab's contiguous
+        chunks, scales and zero points a group."""
+        if whole_tiles and count == chunks and chunk % tile_chunks == 0:
+            for tile in range(slabs // tile_slabs):
+                bulk_copy(tiles, base + tile * tile_slabs * chunks * words_per_chunk, weights[0],
+                          word_of(e, first_slab + tile * tile_slabs, chunk),
+                          4 * tile_slabs * tile_chunks * words_per_chunk, barrier)
+        else:
+            for slab in range(slabs):
+                done = 0
+                while done < count:
+                    piece = min(count - done, contiguous - (chunk + done) % contiguous)
+                    bulk_copy(tiles, base + (slab * chunks + local + done) * words_per_chunk, weights[0],
+                              word_of(e, first_slab + slab, chunk + done), 4 * piece * words_per_chunk, barrier)
+                    done += piece
         for group in range(stage_groups):
             row = int64(e) * groups + uint32(first_slab) * uint32(SLAB_K) // uint32(group_size) + group
             bulk_copy(tiles, base + weight_words + (group * chunks + local) * chunk_scale_words, weights[1],

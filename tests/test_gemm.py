@@ -450,15 +450,19 @@ def _small_problem(half=torch.bfloat16):
 
 @pytest.mark.parametrize("spec", [formats.native(4, 128), formats.native(4, 64, zero_points=True),
                                   formats.native(fp4=True)], ids=lambda spec: spec.name)
-@pytest.mark.parametrize("second_chunk", [1, 3], ids=["one run", "two runs"])
-def test_bulk_staging_fills_a_stage_exactly_as_the_threads_copies_do(spec, second_chunk):
+@pytest.mark.parametrize("chunks, slabs, n, gap", [(2, 4, 256, 0), (2, 4, 256, 2), (4, 8, 512, 0), (4, 8, 512, 1),
+                                                   (1, 1, 128, 0)],
+                         ids=["a stage tile", "two runs", "two tile rows of two tiles", "two runs across tiles",
+                              "a slab-chunk"])
+def test_bulk_staging_fills_a_stage_exactly_as_the_threads_copies_do(spec, chunks, slabs, n, gap):
     """`StagedWeights.copy_bulk` (one thread's bulk copies on an mbarrier) writes every
     word of a stage that the threads' 16-byte copies write, for each stage of an expert:
-    codes, scales and zero points, the chunks as one run or two (gemm1's gate and up)."""
-    experts, n, k, chunks, slabs, threads = 2, 256, 256, 2, 4, 64
+    codes, scales and zero points, the chunks as one run or two (gemm1's gate and up),
+    stages of whole `formats.STAGE_TILE`s, of several, and within one."""
+    experts, k, threads, second_chunk = 2, 256, 64, chunks // 2 + gap  # gap 0: the chunks one run
     assert bulk_staging_supported(spec, n, k, "bfloat16", chunks, slabs)
-    assert not bulk_staging_supported(spec, n, k + 16, "bfloat16", chunks, slabs)  # a partial stage
-    assert not bulk_staging_supported(spec, 192, k, "bfloat16", chunks, slabs)  # a chunk past N
+    assert slabs == 1 or not bulk_staging_supported(spec, n, k + 16, "bfloat16", chunks, slabs)  # a partial stage
+    assert chunks == 1 or not bulk_staging_supported(spec, n + 64, k, "bfloat16", chunks, slabs)  # a chunk past N
     staged = staged_weights(spec, n, k, "bfloat16", chunks, slabs, threads)
     words, steps, copies = staged.stage_words, k // (slabs * 16), staged.copies_per_thread
     plan, copy, copy_bulk, wait_all = staged.plan, staged.copy, staged.copy_bulk, ptx.wait_copies[0]
