@@ -54,7 +54,12 @@ larger lever: from the weights stored stage by stage (`--image-copies`), w4a16 t
 0.73x the layer's GEMMs; the native layout's five copies 430 / 229 in the same call),
 NVFP4 380 / 195 in one (0.79x): both the copies' locality and their count.
 `--image-copies tensors` (a copy for the codes and one for the scales, as two tensors
-stored stage by stage would be copied) is not yet timed.
+stored stage by stage would be copied) keeps most of it (sixty-ninth session): 360 /
+185 (0.75x), NVFP4 391 / 201 (0.81x); `--steps-first` changes nothing. A native layout
+storing the codes so (branch `stage-tiles`, its scales a row a group) took 418 / 218
+(0.88x). `--image-copies split` (not yet timed) copies from two tensors each stored
+stage by stage, the codes' stages exactly 4 KB apart as that layout's: whether the
+stride or the scales' rows cost the difference.
 """
 
 from __future__ import annotations
@@ -83,6 +88,7 @@ STEP_K = STAGE_SLABS * SLAB_K
 TILE_WORDS = 512  # a decoded 64 x 16 tile of weights (one wgmma's A)
 A_BUFFERS = 2  # decoded stages in shared memory at once
 LEFT_OUT = ("", "decode", "fence", "mma", "act")  # what a timing-only variant leaves out ("act": activation copies)
+SPLIT_COPIES = ("tensors", "split")  # a stage of the image in two copies: codes, then scales and zero points
 CORE_LBO, CORE_SBO = 128, 256  # bytes: the next 8 of K, the next 8 rows (features or slots)
 SPECS = {"w4a16-g128": formats.native(4, 128), "nvfp4": formats.native(fp4=True)}
 
@@ -111,9 +117,9 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
     arrays); grid (n / (64 chunks), experts), 128 + 64 chunks threads.
     `leave_out` one of LEFT_OUT, timing only (wrong results): what the loop costs
     without it. `image_copies` not 0: each stage's weights from `stage_image`, passed
-    after the weights' arrays (what a layout stored stage by stage would give), in the
-    copies `image_bounds` gives, instead of `copy_bulk`'s copy a slab and a group from
-    the native layout (`steps_first`: the image's order, `image_stage`)."""
+    after the weights' arrays (what a layout stored stage by stage would give; "split":
+    the two tensors of `split_image`), in the copies `image_bounds` gives, instead of
+    `copy_bulk`'s copy a slab and a group from the native layout (`steps_first`: the image's order, `image_stage`)."""
     if (not bulk_staging_supported(spec, n, k, HALF, chunks, STAGE_SLABS) or not 2 <= stages <= 7 or not widths
             or not set(widths) <= set(ptx.WARPGROUP_COLUMNS) or leave_out not in LEFT_OUT):
         raise ValueError(f"{spec.name} at (n={n}, k={k}) in bulk-copied stages of {STEP_K} of K and {chunks} chunks, "
@@ -124,6 +130,8 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
     threads, steps, image_slot = 128 + producers, k // STEP_K, len(SLOTS)
     staged = staged_weights(spec, n, k, HALF, chunks, STAGE_SLABS, producers)
     bounds = image_bounds(spec, n, k, chunks, image_copies) if image_copies else ()
+    split, code_words = image_copies == "split", bounds[1] if image_copies else 0
+    scale_image_slot = image_slot + 1  # `split`: the scales' tensor (a constant: the tuple's items differ in type)
     stage_of = image_stage(n // (CHUNK_N * chunks), steps, steps_first)
     reader = fragment_reader(spec, n, k, HALF)
     fetch, copy_bulk, decode = staged.fetch, staged.copy_bulk, reader.decode
@@ -145,7 +153,13 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
             barrier = uint32(barriers) + uint32(2) * buffer
             ptx.mbarrier_expect_bytes(shared, barrier, uint32(4 * w_words) + (
                 uint32(STAGE_SLABS * 32) * width if copy_act else uint32(0)))
-            if image_copies:
+            if split:  # codes and scales from tensors of their own, each stored stage by stage
+                stage = stage_of(expert, first_chunk // uint32(chunks), step)
+                ptx.bulk_copy(shared, buffer * uint32(w_words), weights[image_slot], stage * uint32(code_words),
+                              uint32(4 * code_words), barrier)
+                ptx.bulk_copy(shared, buffer * uint32(w_words) + uint32(code_words), weights[scale_image_slot],
+                              stage * uint32(w_words - code_words), uint32(4 * (w_words - code_words)), barrier)
+            elif image_copies:
                 stage = stage_of(expert, first_chunk // uint32(chunks), step)
                 for c in range(len(bounds) - 1):
                     ptx.bulk_copy(shared, buffer * uint32(w_words) + uint32(bounds[c]), weights[image_slot],
@@ -333,14 +347,14 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
 
 def image_bounds(spec, n: int, k: int, chunks: int, copies: int | str) -> tuple[int, ...]:
     """The word offsets that split a stage of `stage_image` into its bulk copies:
-    `copies` (an int) of about equal size, or "tensors": the codes, then the scales and
-    zero points (`StagedWeights` keeps them in that order), as two tensors stored stage
-    by stage would be copied."""
+    `copies` (an int) of about equal size, or "tensors" and "split": the codes, then the
+    scales and zero points (`StagedWeights` keeps them in that order), as two tensors
+    stored stage by stage would be copied ("split": from two such tensors, `split_image`)."""
     stage_words = staged_weights(spec, n, k, HALF, chunks, STAGE_SLABS, 64 * chunks).stage_words
-    if copies == "tensors":
+    if copies in SPLIT_COPIES:
         return 0, STAGE_SLABS * chunks * TileGeometry.of(spec, n, k).words_per_chunk, stage_words
     if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
-        raise ValueError(f"copies must be a positive integer or 'tensors', got {copies!r}")
+        raise ValueError(f"copies must be a positive integer, 'tensors' or 'split', got {copies!r}")
     return tuple(4 * (i * stage_words // 4 // copies) for i in range(copies + 1))
 
 
@@ -403,6 +417,15 @@ def stage_image(weights, chunks: int, steps_first: bool = False) -> torch.Tensor
     return image
 
 
+def split_image(image: torch.Tensor, spec, n: int, k: int, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`stage_image` as two tensors each stored stage by stage: the codes (a stage's
+    4 KB of int4 codes right after the one before, as a `Tile` of the packed words
+    would store them) and the scales and zero points (`image_bounds`' "split")."""
+    _, codes, stage = image_bounds(spec, n, k, chunks, "split")
+    stages = image.view(-1, stage)
+    return stages[:, :codes].contiguous().view(-1), stages[:, codes:].contiguous().view(-1)
+
+
 def stage_blocks(act: torch.Tensor, widths: list[int]) -> torch.Tensor:
     """Activations (experts, slots, k) -> (experts, k / 64, stage's words at `slots`):
     each stage's first widths[e] slots in the order its B tiles hold them (slab, 8
@@ -437,16 +460,26 @@ def bound_inputs(spec, experts: int, n: int, k: int, slots: int, seed: int, devi
     return act, weights, dense.repeat(experts, n // sample_n, 1)
 
 
-def run_bound(act, weights, picks, widths, out, chunks: int, stages: int, leave_out: str = "", image=None,
-              image_copies: int | str = 1, steps_first: bool = False):
+def bound_images(weights, chunks: int, image_copies: int | str, steps_first: bool = False) -> tuple:
+    """The tensors `run_bound` copies the weights from with `image_copies` (none for 0)."""
+    if not image_copies:
+        return ()
+    image = stage_image(weights, chunks, steps_first)
+    experts, n, k = weights.shape
+    return split_image(image, weights.spec, n, k, chunks) if image_copies == "split" else (image,)
+
+
+def run_bound(act, weights, picks, widths, out, chunks: int, stages: int, leave_out: str = "", images=(),
+              image_copies: int | str = 0, steps_first: bool = False):
     """Launch the bound kernel on torch's stream: `act` as `stage_blocks` stores it,
     `picks` (experts,) int32 on the GPU, `width_picks` of the experts' slot counts and
-    `widths`; `image` (`stage_image` of the weights at `chunks`, in the order
-    `steps_first` says): the weights copied from it in `image_bounds`' copies a stage."""
+    `widths`; `images` (`bound_images` of the weights at `chunks` and `image_copies`, in
+    the order `steps_first` says): the weights copied from them in `image_bounds`'
+    copies a stage."""
     experts, _, n = out.shape
     kernel, words = make_bound_kernel(weights.spec, n, weights.shape[2], widths, chunks, stages, leave_out,
-                                      image_copies if image is not None else 0, steps_first)
-    arrays = weights.arrays() + ((interop.to_kernel(image),) if image is not None else ())
+                                      image_copies, steps_first)
+    arrays = weights.arrays() + tuple(interop.to_kernel(tensor) for tensor in images)
     launch_kernel(kernel, (n // (CHUNK_N * chunks), experts), 128 + 64 * chunks, interop.to_kernel(act), arrays,
                   interop.to_kernel(picks), interop.to_kernel(out), shared_bytes=4 * words)
 
@@ -463,7 +496,7 @@ def bound_error(spec, counts: list[int], n: int, k: int, chunks: int, stages: in
     picks = width_picks(counts, widths)
     run_bound(stage_blocks(act, [widths[p] if p >= 0 else 0 for p in picks]), weights,
               torch.tensor(picks, dtype=torch.int32, device=device), widths, out, chunks, stages,
-              image=stage_image(weights, chunks, steps_first) if image_copies else None, image_copies=image_copies,
+              images=bound_images(weights, chunks, image_copies, steps_first), image_copies=image_copies,
               steps_first=steps_first)
     reference = act.double().cpu() @ dense.to(torch.bfloat16).double().transpose(1, 2)
     slots = torch.arange(max(widths)).view(1, -1, 1) < torch.tensor(counts).view(-1, 1, 1)  # the rows computed
@@ -481,10 +514,10 @@ def variant(text: str) -> tuple[int, int, str]:
 
 
 def image_copies_arg(text: str) -> int | str:
-    """'tensors' or a count of copies (0: the native layout's)."""
-    if text != "tensors" and not text.isdigit():
-        raise argparse.ArgumentTypeError(f"expected a count of copies or 'tensors', got {text!r}")
-    return text if text == "tensors" else int(text)
+    """'tensors', 'split' or a count of copies (0: the native layout's)."""
+    if text not in SPLIT_COPIES and not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a count of copies, 'tensors' or 'split', got {text!r}")
+    return text if text in SPLIT_COPIES else int(text)
 
 
 def main(argv=None) -> None:
@@ -503,7 +536,8 @@ def main(argv=None) -> None:
     parser.add_argument("--image-copies", type=image_copies_arg, nargs="+", default=[0],
                         help="copies a stage of the weights: 0 from the native layout (a copy a slab and a group); "
                              "from the weights stored stage by stage (`stage_image`): n > 0 in n about equal copies, "
-                             "'tensors' a copy for the codes and one for the scales and zero points")
+                             "'tensors' a copy for the codes and one for the scales and zero points, 'split' the "
+                             "same from two tensors, each stored stage by stage")
     parser.add_argument("--steps-first", action="store_true",
                         help="the stage image's order: a step's feature tiles one after another (as a Tile of the "
                              "packed words would store them), not a CTA's stages")
@@ -540,18 +574,17 @@ def main(argv=None) -> None:
         act, weights, _ = bound_inputs(spec, config.num_experts, n, k, max(widths), 1, "cuda")
         act = stage_blocks(act, [widths[p] if p >= 0 else 0 for p in picks])
         out = torch.empty(config.num_experts, max(widths), n, dtype=torch.float32, device="cuda")
-        images = {chunks: stage_image(weights, chunks, args.steps_first) for chunks, _, _ in args.variants
-                  if any(args.image_copies)}
         for (chunks, stages, leave_out), copies in itertools.product(args.variants, args.image_copies):
+            images = bound_images(weights, chunks, copies, args.steps_first)
             ms = timer(captured(functools.partial(run_bound, act, weights, pick_tensor, widths, out, chunks, stages,
-                                                  leave_out, images.get(chunks) if copies else None, copies,
-                                                  args.steps_first)))
+                                                  leave_out, images, copies, args.steps_first)))
             without = f", without {leave_out}" if leave_out else ""
             order = ", steps first" if args.steps_first else ""
             source = f", weights from their stage image ({copies} copies a stage{order})" if copies else ""
             print(f"  bound, {int(counts.sum())} slots, {chunks} chunks, {stages} stages{without}{source}: "
                   f"{ms * 1e3:.1f} us ({flops / (ms * 1e-3) / rate:.2f} of the matmul rate)", flush=True)
-        del act, weights, out, images
+            del images
+        del act, weights, out
 
 
 if __name__ == "__main__":

@@ -149,12 +149,14 @@ def test_specialized_bound_variants_name_chunks_stages_and_what_they_leave_out(m
             bound.make_bound_kernel(spec, 512, 4096, (60,), 2, 3)
         assert bound.widths_for([0, 5, 8, 64, 61, 9]) == (8, 16, 64)
         assert bound.image_copies_arg("tensors") == "tensors" and bound.image_copies_arg("5") == 5
+        assert bound.image_copies_arg("split") == "split"
         with pytest.raises(argparse.ArgumentTypeError, match="count of copies"):
             bound.image_copies_arg("-1")
-        with pytest.raises(ValueError, match="positive integer or 'tensors'"):
+        with pytest.raises(ValueError, match="positive integer, 'tensors' or 'split'"):
             bound.image_bounds(spec, 512, 4096, 2, -1)
         stage = bound.image_bounds(spec, 512, 4096, 2, 1)[-1]  # two chunks' 4 slabs of codes, then their scales
         assert bound.image_bounds(spec, 512, 4096, 2, "tensors") == (0, 4 * 2 * 128, stage)
+        assert bound.image_bounds(spec, 512, 4096, 2, "split") == (0, 4 * 2 * 128, stage)
         assert bound.image_bounds(spec, 512, 4096, 2, 3) == (0, 4 * (stage // 12), 4 * (2 * stage // 12), stage)
     finally:
         sys.modules.pop("specialized_bound", None)
@@ -162,7 +164,7 @@ def test_specialized_bound_variants_name_chunks_stages_and_what_they_leave_out(m
 
 @pytest.mark.parametrize("spec_name, image_copies, steps_first", [
     ("w4a16-g128", 0, False), ("nvfp4", 0, False), ("zero points", 0, False), ("zero points", 1, False),
-    ("nvfp4", 3, False), ("zero points", "tensors", False), ("w4a16-g128", 1, True)])
+    ("nvfp4", 3, False), ("zero points", "tensors", False), ("w4a16-g128", 1, True), ("zero points", "split", True)])
 def test_specialized_bound_computes_the_grouped_product_it_times(spec_name, image_copies, steps_first, monkeypatch):
     """The warp-specialised bound (bulk copies of each stage on mbarriers, producer warps
     decoding the native layout with the GEMM's reader into wgmma's A tiles, a consumer
@@ -173,7 +175,7 @@ def test_specialized_bound_computes_the_grouped_product_it_times(spec_name, imag
     one before it times). `image_copies` not 0: each stage's weights from their stage
     image (the weights staged by `copy_bulk` and written back stage by stage, a CTA's
     stages or `steps_first` a step's tiles one after another), in that many copies a
-    stage or a copy a tensor."""
+    stage or a copy a tensor (from two tensors: "split")."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     try:
         from layouts import formats
