@@ -76,8 +76,7 @@ from layouts import formats
 from layouts.samples import random_quantized
 from numba import cuda, float32, int32, uint32
 from numba_kernels import interop, ptx
-from numba_kernels.fragments import (CHUNK_N, SLAB_K, TileGeometry, bulk_staging_supported, fragment_reader,
-                                     staged_weights)
+from numba_kernels.fragments import CHUNK_N, SLAB_K, bulk_staging_supported, fragment_reader, staged_weights
 from numba_kernels.gemm_plan import chain
 from numba_kernels.launch import launch_kernel
 from numba_kernels.weights import SLOTS, KernelWeights
@@ -350,9 +349,10 @@ def image_bounds(spec, n: int, k: int, chunks: int, copies: int | str) -> tuple[
     `copies` (an int) of about equal size, or "tensors" and "split": the codes, then the
     scales and zero points (`StagedWeights` keeps them in that order), as two tensors
     stored stage by stage would be copied ("split": from two such tensors, `split_image`)."""
-    stage_words = staged_weights(spec, n, k, HALF, chunks, STAGE_SLABS, 64 * chunks).stage_words
+    staged = staged_weights(spec, n, k, HALF, chunks, STAGE_SLABS, 64 * chunks)
+    stage_words = staged.stage_words
     if copies in SPLIT_COPIES:
-        return 0, STAGE_SLABS * chunks * TileGeometry.of(spec, n, k).words_per_chunk, stage_words
+        return 0, staged.weight_words, stage_words
     if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1:
         raise ValueError(f"copies must be a positive integer, 'tensors' or 'split', got {copies!r}")
     return tuple(4 * (i * stage_words // 4 // copies) for i in range(copies + 1))

@@ -380,6 +380,20 @@ def check_expert_map(expert_map: torch.Tensor, num_experts: int) -> None:
     interop.check_range("expert_map", expert_map, -1, num_experts, " (local ids, -1: an expert of another rank)")
 
 
+def check_alignment_arrays(sorted_token_ids, expert_ids, num_tokens_post_padded, block_m: int) -> tuple:
+    """The three arrays of an alignment for blocks of `block_m` slots, checked (int32,
+    1-D; num_tokens_post_padded one element; a block id for each block of slots)."""
+    sorted_token_ids = interop.check_tensor("sorted_token_ids", sorted_token_ids, dtype=torch.int32, ndim=1)
+    expert_ids = interop.check_tensor("expert_ids", expert_ids, dtype=torch.int32, ndim=1)
+    num_tokens_post_padded = interop.check_tensor("num_tokens_post_padded", num_tokens_post_padded,
+                                                  dtype=torch.int32, shape=(1,))
+    if expert_ids.shape[0] != -(-sorted_token_ids.shape[0] // block_m):
+        raise ValueError(f"expert_ids ({expert_ids.shape[0]} blocks) must split sorted_token_ids "
+                         f"({sorted_token_ids.shape[0]}) in blocks of block_m = {block_m}: align with block_size "
+                         "= block_m")
+    return sorted_token_ids, expert_ids, num_tokens_post_padded
+
+
 def check_alignment_ids(sorted_token_ids, expert_ids, num_tokens_post_padded, block_m: int,
                         experts: int | None) -> None:
     """Raise unless the blocks in use (the first num_tokens_post_padded slots, a host sync)

@@ -577,7 +577,8 @@ class StagedWeights:
     """One pipeline stage of a CTA's weights in shared memory (the prefill GEMM): the
     weight words of `slabs` slabs x `chunks` 64-feature chunks, as stored (a lane's 16
     bytes stay contiguous), then the scale rows of the stage's groups restricted to those
-    chunks, then their zero-point words; `stage_words` uint32 words per stage buffer.
+    chunks, then their zero-point words; `stage_words` uint32 words per stage buffer, the
+    first `weight_words` of them the weight words.
 
     plan(e, first_chunk, second_chunk, thread, sources): once per CTA, fill this
         thread's `copies_per_thread` source offsets (uint32, `NO_COPY` for none) for the CTA's
@@ -598,6 +599,7 @@ class StagedWeights:
     """
 
     stage_words: int
+    weight_words: int
     copies_per_thread: int
     plan: object
     copy: object
@@ -791,7 +793,7 @@ def staged_weights(spec: QuantSpec, n: int, k: int, half: str, chunks: int, slab
             copy_rows(weights, e, first_chunk, 0, run_chunks, first_slab, tiles, base, barrier)
             copy_rows(weights, e, second_chunk, run_chunks, chunks - run_chunks, first_slab, tiles, base, barrier)
 
-    return StagedWeights(stage_words, copies_per_thread, plan, copy, copy_partial, fetch, copy_bulk)
+    return StagedWeights(stage_words, weight_words, copies_per_thread, plan, copy, copy_partial, fetch, copy_bulk)
 
 
 def _no_groups():

@@ -60,7 +60,7 @@ from layouts import QuantSpec
 
 from . import interop, ptx
 from .activation import Activation
-from .align import check_alignment_ids
+from .align import check_alignment_arrays, check_alignment_ids
 from .epilogue import FusedActivation, FusedCombine, check_fused, gate_up_halves, make_finisher
 from .fragments import CHUNK_N, SLAB_K, copy_offsets_fit, staged_weights, staging_supported
 from .gemm_decode import decode_steps
@@ -678,13 +678,8 @@ def grouped_gemm(act, weights: KernelWeights, sorted_token_ids, expert_ids, num_
     interop.check_count("num_slots", num_slots, 1)
     if num_slots % act.shape[0]:
         raise ValueError(f"num_slots ({num_slots}) must be a positive multiple of act's rows ({act.shape[0]})")
-    sorted_token_ids = interop.check_tensor("sorted_token_ids", sorted_token_ids, dtype=torch.int32, ndim=1)
-    expert_ids = interop.check_tensor("expert_ids", expert_ids, dtype=torch.int32, ndim=1)
-    num_tokens_post_padded = interop.check_tensor("num_tokens_post_padded", num_tokens_post_padded,
-                                                  dtype=torch.int32, shape=(1,))
-    if expert_ids.shape[0] != -(-sorted_token_ids.shape[0] // tile.block_m):
-        raise ValueError(f"expert_ids ({expert_ids.shape[0]} blocks) must split sorted_token_ids "
-                         f"({sorted_token_ids.shape[0]}) in blocks of {tile.block_m}: align with block_size = block_m")
+    sorted_token_ids, expert_ids, num_tokens_post_padded = check_alignment_arrays(sorted_token_ids, expert_ids,
+                                                                                  num_tokens_post_padded, tile.block_m)
     if check_ids:
         check_alignment_ids(sorted_token_ids, expert_ids, num_tokens_post_padded, tile.block_m, experts)
     if out is not None:

@@ -34,7 +34,7 @@ from numba import cuda, int16, int32, uint32
 from layouts import QuantSpec
 
 from . import interop
-from .align import check_alignment_ids
+from .align import check_alignment_arrays, check_alignment_ids
 from .launch import launch_kernel
 from .ptx import kernel, load_written, wait_for_previous
 
@@ -144,13 +144,8 @@ def permute_slots(act, order, sorted_token_ids, expert_ids, num_tokens_post_padd
     if order.shape[1] != k:
         raise ValueError(f"order must be (E, {k}) or (1, {k}), orders of act's K = {k} columns, "
                          f"got {tuple(order.shape)}")
-    sorted_token_ids = interop.check_tensor("sorted_token_ids", sorted_token_ids, dtype=torch.int32, ndim=1)
-    expert_ids = interop.check_tensor("expert_ids", expert_ids, dtype=torch.int32, ndim=1)
-    num_tokens_post_padded = interop.check_tensor("num_tokens_post_padded", num_tokens_post_padded,
-                                                  dtype=torch.int32, shape=(1,))
-    if expert_ids.shape[0] != -(-sorted_token_ids.shape[0] // block_m):
-        raise ValueError(f"expert_ids ({expert_ids.shape[0]} blocks) must split sorted_token_ids "
-                         f"({sorted_token_ids.shape[0]}) in blocks of block_m = {block_m}")
+    sorted_token_ids, expert_ids, num_tokens_post_padded = check_alignment_arrays(sorted_token_ids, expert_ids,
+                                                                                  num_tokens_post_padded, block_m)
     if check_ids:
         interop.check_range("order", order, 0, k)
         check_alignment_ids(sorted_token_ids, expert_ids, num_tokens_post_padded, block_m,
