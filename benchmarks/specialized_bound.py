@@ -118,7 +118,8 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
     without it. `image_copies` not 0: each stage's weights from `stage_image`, passed
     after the weights' arrays (what a layout stored stage by stage would give; "split":
     the two tensors of `split_image`), in the copies `image_bounds` gives, instead of
-    `copy_bulk`'s copy a slab and a group from the native layout (`steps_first`: the image's order, `image_stage`)."""
+    `copy_bulk`'s copy a slab and a group from the native layout (`steps_first`: the
+    image's order, `image_stage`)."""
     if (not bulk_staging_supported(spec, n, k, HALF, chunks, STAGE_SLABS) or not 2 <= stages <= 7 or not widths
             or not set(widths) <= set(ptx.WARPGROUP_COLUMNS) or leave_out not in LEFT_OUT):
         raise ValueError(f"{spec.name} at (n={n}, k={k}) in bulk-copied stages of {STEP_K} of K and {chunks} chunks, "
@@ -419,8 +420,9 @@ def stage_image(weights, chunks: int, steps_first: bool = False) -> torch.Tensor
 
 def split_image(image: torch.Tensor, spec, n: int, k: int, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`stage_image` as two tensors each stored stage by stage: the codes (a stage's
-    4 KB of int4 codes right after the one before, as a `Tile` of the packed words
-    would store them) and the scales and zero points (`image_bounds`' "split")."""
+    right after the one before, 4 KB apart for two chunks of int4 codes, as a `Tile` of
+    the packed words would store them) and the scales and zero points (`image_bounds`'
+    "split")."""
     _, codes, stage = image_bounds(spec, n, k, chunks, "split")
     stages = image.view(-1, stage)
     return stages[:, :codes].contiguous().view(-1), stages[:, codes:].contiguous().view(-1)
@@ -465,7 +467,7 @@ def bound_images(weights, chunks: int, image_copies: int | str, steps_first: boo
     if not image_copies:
         return ()
     image = stage_image(weights, chunks, steps_first)
-    experts, n, k = weights.shape
+    _, n, k = weights.shape
     return split_image(image, weights.spec, n, k, chunks) if image_copies == "split" else (image,)
 
 
