@@ -153,18 +153,18 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
             barrier = uint32(barriers) + uint32(2) * buffer
             ptx.mbarrier_expect_bytes(shared, barrier, uint32(4 * w_words) + (
                 uint32(STAGE_SLABS * 32) * width if copy_act else uint32(0)))
-            if split:  # codes and scales from tensors of their own, each stored stage by stage
+            if image_copies:
                 stage = stage_of(expert, first_chunk // uint32(chunks), step)
-                ptx.bulk_copy(shared, buffer * uint32(w_words), weights[image_slot], stage * uint32(code_words),
-                              uint32(4 * code_words), barrier)
-                ptx.bulk_copy(shared, buffer * uint32(w_words) + uint32(code_words), weights[scale_image_slot],
-                              stage * uint32(w_words - code_words), uint32(4 * (w_words - code_words)), barrier)
-            elif image_copies:
-                stage = stage_of(expert, first_chunk // uint32(chunks), step)
-                for c in range(len(bounds) - 1):
-                    ptx.bulk_copy(shared, buffer * uint32(w_words) + uint32(bounds[c]), weights[image_slot],
-                                  stage * uint32(w_words) + uint32(bounds[c]), uint32(4 * (bounds[c + 1] - bounds[c])),
-                                  barrier)
+                if split:  # codes and scales from tensors of their own, each stored stage by stage
+                    ptx.bulk_copy(shared, buffer * uint32(w_words), weights[image_slot], stage * uint32(code_words),
+                                  uint32(4 * code_words), barrier)
+                    ptx.bulk_copy(shared, buffer * uint32(w_words) + uint32(code_words), weights[scale_image_slot],
+                                  stage * uint32(w_words - code_words), uint32(4 * (w_words - code_words)), barrier)
+                else:
+                    for c in range(len(bounds) - 1):
+                        ptx.bulk_copy(shared, buffer * uint32(w_words) + uint32(bounds[c]), weights[image_slot],
+                                      stage * uint32(w_words) + uint32(bounds[c]),
+                                      uint32(4 * (bounds[c + 1] - bounds[c])), barrier)
             else:
                 copy_bulk(weights, expert, first_chunk, first_chunk + uint32(chunks // 2), step * uint32(STAGE_SLABS),
                           shared, buffer * uint32(w_words), barrier)
