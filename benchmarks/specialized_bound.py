@@ -72,7 +72,7 @@ import numpy as np
 import torch
 
 import numba_kernels  # noqa: F401  (before numba: no simulator on a GPU machine)
-from layouts import formats
+from layouts import Panels, formats
 from layouts.samples import random_quantized
 from numba import cuda, float32, int32, uint32
 from numba_kernels import interop, ptx
@@ -445,17 +445,25 @@ def bound_inputs(spec, experts: int, n: int, k: int, slots: int, seed: int, devi
     """(act, weights, dense): random activations (experts, slots, k) in bfloat16, and
     weights of `spec` (experts, n, k) as `KernelWeights`, with their dequantised values
     (float32) for the reference. One random expert of `sample_n` features is packed by the
-    spec and repeated along N and E (the native layout stores each 64-feature chunk's
-    words, scales and zero points apart from the others'): packing Mixtral's experts in
-    numpy would take minutes."""
+    spec and repeated along N and E (the native layout stores each column panel's words,
+    scales and zero points apart from the others': an expert of n features is the
+    sample's panels n / sample_n times over; rows as they are, each row's): packing
+    Mixtral's experts in numpy would take minutes."""
     sample_n = min(sample_n, n)
     if n % sample_n or sample_n % CHUNK_N:
         raise ValueError(f"n must be a multiple of sample_n, itself a multiple of {CHUNK_N}, got {n} and {sample_n}")
     physical = spec.pack(random_quantized(spec, (1, sample_n, k), np.random.default_rng(seed)))
     dense = torch.from_numpy(spec.dequantize(physical, (1, sample_n, k))).float()
     tensors = list(KernelWeights.from_physical(spec, physical, (1, sample_n, k)).tensors)
-    for slot in (0, 1, 2) if spec.zeros is not None else (0, 1):  # codes, scales, zero points: columns by feature
-        tensors[slot] = tensors[slot].repeat(experts, 1, n // sample_n)
+    for slot, tensor in zip((0, 1, 2), (spec.weight, spec.scales, spec.zeros)):  # codes, scales, zero points
+        if tensor is None:
+            continue
+        if any(isinstance(step, Panels) for step in tensor.layout.steps):
+            rows, row_length = tensors[slot].shape[1:]
+            tensors[slot] = tensors[slot].reshape(1, -1).repeat(experts, n // sample_n).view(
+                experts, rows, row_length * n // sample_n)
+        else:
+            tensors[slot] = tensors[slot].repeat(experts, 1, n // sample_n)
     tensors[5] = tensors[5].repeat(experts)  # the global scale (a stand-in for integer codes)
     weights = KernelWeights(spec, (experts, n, k), tuple(t.to(device) for t in tensors))
     act = torch.randn(experts, slots, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).to(device)

@@ -15,8 +15,8 @@ from .encodings import E2M1, FloatFormat, IntCode
 from .explain import explain
 from .quantized import Quantized
 from .spec import QuantSpec, Tensor
-from .transforms import (BitPack, InterleaveHalves, Layout, Pad, PadHalves, Permute, SwapHalves, Swizzle128x4,
-                         Tile, Transpose)
+from .transforms import (BitPack, InterleaveHalves, Layout, Pad, PadHalves, Panels, Permute, SwapHalves,
+                         Swizzle128x4, Tile, Transpose)
 
 
 def convert(physical: dict, src: QuantSpec, dst: QuantSpec) -> dict:
@@ -26,6 +26,6 @@ def convert(physical: dict, src: QuantSpec, dst: QuantSpec) -> dict:
 
 __all__ = [
     "BitPack", "E2M1", "FloatFormat", "IntCode", "InterleaveHalves", "Layout", "Pad", "PadHalves",
-    "Permute", "QuantSpec", "Quantized", "SwapHalves", "Swizzle128x4", "Tensor", "Tile", "Transpose", "convert", "explain",
+    "Panels", "Permute", "QuantSpec", "Quantized", "SwapHalves", "Swizzle128x4", "Tensor", "Tile", "Transpose", "convert", "explain",
     "formats",
 ]

@@ -6,7 +6,8 @@ Read each one as a formula on the logical codes (N, K) (the last step applies la
     awq:                 qweight = BitPack(4, cols, awq order) ∘ Transpose   (K, N/8)
     compressed_tensors:  weight_packed = BitPack(b, cols)                    (N, ceil(K/(32/b)))
     marlin:              qweight = BitPack(b, cols) ∘ Permute(weight perm) ∘ Tile(16, 16) ∘ Transpose
-    native:              marlin ∘ Pad(16, 64): the kernels' layout (NVFP4 too, bits placed)
+    native:              BitPack ∘ Permute ∘ Panels(2 chunks) ∘ Tile(16, 16) ∘ Pad(16, 128) ∘ Transpose;
+                         scales Permute ∘ Panels(128) ∘ Pad: the kernels' layout (NVFP4 too, bits placed)
     nvfp4:               weight_packed = BitPack(4, cols, bytes);  weight_scale = [Swizzle128x4]
     trtllm_fp4_moe:      rows: Permute(32-row shuffle) ∘ [InterleaveHalves]; scales then Swizzle128x4
 
@@ -20,8 +21,8 @@ import functools
 
 from .encodings import E2M1, FloatFormat, IntCode
 from .spec import QuantSpec, Tensor
-from .transforms import (BitPack, InterleaveHalves, Layout, Pad, PadHalves, Permute, SwapHalves, Swizzle128x4,
-                         Tile, Transpose)
+from .transforms import (BitPack, InterleaveHalves, Layout, Pad, PadHalves, Panels, Permute, SwapHalves,
+                         Swizzle128x4, Tile, Transpose)
 
 AWQ_ORDER = {4: (0, 2, 4, 6, 1, 3, 5, 7), 8: (0, 2, 1, 3)}
 """In-word order of AWQ (and of Marlin's zero points): slot s holds element AWQ_ORDER[s]."""
@@ -126,23 +127,33 @@ def marlin(bits: int = 4, group_size: int | None = 128, *, zero_points: bool = F
                          zero_points=zero_points, act_order=act_order, scale_format=FloatFormat(scale_dtype))
 
 
+NATIVE_PANEL = 128
+"""Output features of a column panel of the native layout: every tensor stores two
+64-feature chunks over all of K as one run (`Panels`), so that a CTA of those chunks
+reads its weights in order, a prefill stage of them in one piece (codes, scales and zero
+points each)."""
+
+
 def _marlin_tiles(name: str, code, bits: int, group_size: int | None, *, zero_points: bool = False,
                   act_order: bool = False, scale_format: FloatFormat, pad: tuple[int, int] | None = None,
-                  global_scale_name: str | None = None, places: tuple[int, ...] | None = None) -> QuantSpec:
-    """Marlin's tensor-core tile layout, optionally zero padded along (K, N) first; `places`
-    scatters the bits of each word (`BitPack.places`)."""
+                  panel: int | None = None, global_scale_name: str | None = None,
+                  places: tuple[int, ...] | None = None) -> QuantSpec:
+    """Marlin's tensor-core tile layout, optionally zero padded along (K, N) first and
+    stored in column panels `panel` output features wide; `places` scatters the bits of
+    each word (`BitPack.places`)."""
     padding = () if pad is None else (Pad(*pad),)
     scale_padding = () if pad is None else (Pad(1, pad[1]),)
+    panels, code_panels = ((), ()) if panel is None else ((Panels(panel),), (Panels(panel * 16),))  # a slab: 16 codes
     scale_perm = MARLIN_SCALE_PERM if group_size is not None else MARLIN_SCALE_PERM_SINGLE
     zeros = None
     if zero_points:
-        zeros = Tensor("qzeros", Layout((Transpose(),) + scale_padding + (
+        zeros = Tensor("qzeros", Layout((Transpose(),) + scale_padding + panels + (
             Permute(MARLIN_SCALE_PERM), BitPack(bits, axis=-1, order=AWQ_ORDER[bits]))))
     return QuantSpec(
         name=name, code=code,
-        weight=Tensor("qweight", Layout((Transpose(),) + padding + (
-            Tile(16, 16), Permute(marlin_weight_perm(bits)), BitPack(bits, axis=-1, places=places)))),
-        scales=Tensor("scales", Layout((Transpose(),) + scale_padding + (Permute(scale_perm),))),
+        weight=Tensor("qweight", Layout((Transpose(),) + padding + (Tile(16, 16),) + code_panels + (
+            Permute(marlin_weight_perm(bits)), BitPack(bits, axis=-1, places=places)))),
+        scales=Tensor("scales", Layout((Transpose(),) + scale_padding + panels + (Permute(scale_perm),))),
         scale_format=scale_format, group_size=group_size, zeros=zeros,
         g_idx_name="g_idx" if act_order else None, sort_k_by_group=act_order,
         global_scale_name=global_scale_name,
@@ -153,8 +164,10 @@ def native(bits: int = 4, group_size: int | None = 128, *, zero_points: bool = F
            half: str = "bfloat16", fp4: bool = False) -> QuantSpec:
     """The kernels' own layout, which weight processing converts every checkpoint into once:
     Marlin's tile layout (a lane's tensor-core B fragments for a 16 x 64 slab of (K, N) sit
-    in 16 contiguous bytes), zero padded so any shape fits (K to 16, N to 64), scales in
-    the activations' `half` type. The same layout serves decode and prefill.
+    in 16 contiguous bytes) in column panels of two chunks (`NATIVE_PANEL`), zero padded so
+    any shape fits (K to 16, N to 128), scales in the activations' `half` type. The same
+    layout serves decode (a CTA's chunks read down their panels) and prefill (a stage a
+    run of each panel).
 
     `fp4=True` is NVFP4 in the same tiles: e2m1 codes with their bits placed for bfloat16
     (`NVFP4_PLACES`), one scale byte per 16 input features (permuted like Marlin's), and
@@ -163,12 +176,14 @@ def native(bits: int = 4, group_size: int | None = 128, *, zero_points: bool = F
     two instructions instead of six."""
     if fp4:
         return _marlin_tiles("native_nvfp4", E2M1(), 4, 16, scale_format=FloatFormat("float8_ue5m3"),
-                             pad=(16, 64), global_scale_name="weight_global_scale", places=NVFP4_PLACES)
+                             pad=(16, NATIVE_PANEL), panel=NATIVE_PANEL, global_scale_name="weight_global_scale",
+                             places=NVFP4_PLACES)
     _check_bits(bits)
     if zero_points and act_order:
         raise ValueError("the native layout has no act-order variant with zero points")
     return _marlin_tiles(f"native_int{bits}", _int_code(bits, symmetric=not zero_points), bits, group_size,
-                         zero_points=zero_points, act_order=act_order, scale_format=FloatFormat(half), pad=(16, 64))
+                         zero_points=zero_points, act_order=act_order, scale_format=FloatFormat(half),
+                         pad=(16, NATIVE_PANEL), panel=NATIVE_PANEL)
 
 
 # NVFP4 checkpoints by exporter: the packed weight's name, the global scale's, and whether

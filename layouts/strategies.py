@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from .encodings import E2M1, FloatFormat, IntCode
 from .samples import random_quantized
 from .spec import QuantSpec, Tensor
-from .transforms import (BitPack, InterleaveHalves, Layout, Pad, PadHalves, Permute, SwapHalves, Swizzle128x4, Tile,
-                         Transpose)
+from .transforms import (BitPack, InterleaveHalves, Layout, Pad, PadHalves, Panels, Permute, SwapHalves, Swizzle128x4,
+                         Tile, Transpose)
 
 
 def _divisors(size: int, candidates=(2, 4, 8, 16, 32)) -> list[int]:
@@ -43,6 +43,8 @@ def transform(draw, shape: tuple[int, int]):
                         st.builds(PadHalves, st.sampled_from([1, 4, 8]), st.just(axis))]
     if _divisors(rows) and _divisors(cols):
         options.append(st.builds(Tile, st.sampled_from(_divisors(rows)), st.sampled_from(_divisors(cols))))
+    if _divisors(cols):
+        options.append(st.builds(Panels, st.sampled_from(_divisors(cols))))
     if rows <= 256 and cols <= 64:
         options.append(st.just(Swizzle128x4()))
     return draw(st.one_of(options))

@@ -138,6 +138,35 @@ class Tile:
 
 
 @attrs.frozen
+class Panels:
+    """Store the grid in column panels `cols` wide, each panel's rows one after another,
+    the shape kept: (i, j) goes to flat place (j // cols) * R * cols + i * cols + j % cols.
+    A column range that one CTA reads over all rows becomes one contiguous run."""
+
+    cols: int = attrs.field(validator=_check_positive)
+
+    def out_shape(self, shape: Shape) -> Shape:
+        _require_multiple("cols", shape[1], self.cols, self)
+        return shape
+
+    def in_shape(self, shape: Shape) -> Shape:
+        return shape
+
+    def index_fn(self, shape: Shape):
+        self.out_shape(shape)
+        rows, cols, width = shape[0], self.cols, shape[1]
+
+        def panel(i, j):
+            place = (j // cols) * rows * cols + i * cols + j % cols
+            return place // width, place % width
+
+        return panel
+
+    def __repr__(self) -> str:
+        return f"Panels({self.cols})"
+
+
+@attrs.frozen
 class Permute:
     """Permute each consecutive chunk of len(perm) elements along an axis.
 

@@ -66,7 +66,7 @@ import attrs
 import numpy as np
 from numba import float32, int32, int64, uint32, uint64
 
-from layouts import E2M1, BitPack, Permute, QuantSpec, Tile, Transpose
+from layouts import E2M1, BitPack, Panels, Permute, QuantSpec, Tile, Transpose
 from layouts.encodings import UE5M3_BIAS
 from layouts.formats import marlin_weight_perm
 from layouts.transforms import Pad
@@ -123,14 +123,19 @@ assert UE5M3_BIAS - 29 == -FP4_DOWNSCALE
 
 
 def marlin_tile_bits(spec: QuantSpec) -> int | None:
-    """Code width if `spec`'s weight has Marlin's tile layout (optionally padded; e2m1 bits
-    optionally placed, see `e2m1_moves`), else None. Recognised by structure, so a
-    checkpoint already in Marlin form reads fast as it is."""
-    steps = spec.weight.layout.steps
-    if len(steps) == 5 and isinstance(steps[1], Pad):
+    """Code width if `spec`'s weight has Marlin's tile layout (optionally padded, its
+    slab-chunks optionally in column panels; e2m1 bits optionally placed, see
+    `e2m1_moves`), else None. Recognised by structure, so a checkpoint already in Marlin
+    form reads fast as it is."""
+    steps = list(spec.weight.layout.steps)
+    if len(steps) > 1 and isinstance(steps[1], Pad):
         if steps[1].rows % SLAB_K or steps[1].cols % CHUNK_N:
             return None
-        steps = steps[:1] + steps[2:]
+        del steps[1]
+    if len(steps) > 2 and isinstance(steps[2], Panels):
+        if steps[2].cols % (SLAB_K * CHUNK_N):  # whole slab-chunks
+            return None
+        del steps[2]
     if len(steps) != 4:
         return None
     bits = spec.code.bits
@@ -226,13 +231,56 @@ class LaneScales:
     """Where a lane's eight scales of a (group, 64-column chunk) sit when they are
     contiguous: row `group` of the (E * groups, row_elements) scales, elements
     64 c + 8 g .. + 8 (g = lane // 4), in column order 2 j + h; 4-bit zero points, if
-    any, in word 8 c + g of their row, column m at bit `zero_shifts[m]`."""
+    any, in word 8 c + g of their row, column m at bit `zero_shifts[m]`. The rows may be
+    stored in column panels (`panel_place`): `panel_elements` and `zero_panel_words` wide."""
 
     groups: int  # scale rows per expert (ceil(K / group_size), 1 channel-wise)
     row_elements: int
     scale_words: int  # 4 (16-bit scales) or 2 (ue5m3 bytes)
     zero_row_words: int  # 0 without zero points
     zero_shifts: tuple[int, ...]
+    panel_elements: int
+    zero_panel_words: int
+
+    def scale_place(self):
+        return panel_place(self.groups, self.row_elements, self.panel_elements)
+
+    def zero_place(self):
+        return panel_place(self.groups, self.zero_row_words, self.zero_panel_words)
+
+
+def panel_width(layout, row_length: int, per_element: int = 1) -> int:
+    """Width of the column panels `layout` stores its rows in (its `Panels` step's columns
+    over `per_element` logical ones a physical element), or `row_length`: rows as they are."""
+    panel = next((step.cols for step in layout.steps if isinstance(step, Panels)), None)
+    return row_length if panel is None else panel // per_element
+
+
+def panel_place(rows: int, row_length: int, panel: int):
+    """Device function (e, row, element) -> int64 flat place of an element of row `row` of
+    expert `e`'s (rows, row_length) grid stored in column panels `panel` wide (the layout
+    language's `Panels`; `panel == row_length`: rows as they are)."""
+    if panel == row_length:
+        @device
+        def place(e, row, element):
+            return (int64(e) * rows + row) * row_length + element
+
+        return place
+
+    panel_size = rows * panel
+
+    @device
+    def panel_place_(e, row, element):
+        element = uint32(element)  # unsigned: the divisions by a power of two are shifts
+        return (int64(e) * rows * row_length + int64(element // uint32(panel)) * panel_size + int64(row) * panel
+                + element % uint32(panel))
+
+    return panel_place_
+
+
+def _panel_flat(row, element, rows: int, panel: int):
+    """`panel_place` within an expert, on numpy arrays (the placement checks)."""
+    return element // panel * rows * panel + row * panel + element % panel
 
 
 def _chunk_columns(n: int):
@@ -257,24 +305,26 @@ def lane_scales(spec: QuantSpec, n: int, k: int, half: str) -> LaneScales | None
     group = np.arange(groups)[:, None]
     rows, cols, _ = spec.scales.layout.locate((n, groups))(n_[None, :], group)
     physical_rows, row_elements = spec.scales.layout.physical_shape((n, groups))
-    if not (physical_rows == groups and np.all(rows == group) and np.all(cols == 64 * c + 8 * g + m)
-            and row_elements % CHUNK_N == 0):
+    panel = panel_width(spec.scales.layout, row_elements)
+    if not (physical_rows == groups and row_elements % CHUNK_N == 0 and panel % CHUNK_N == 0
+            and np.all(rows * row_elements + cols == _panel_flat(group, 64 * c + 8 * g + m, groups, panel))):
         return None
-    zero_row_words, zero_shifts = 0, ()
+    zero_row_words, zero_shifts, zero_panel = 0, (), 0
     if spec.zeros is not None:
         pack = spec.zeros.layout.bitpack
         if spec.code.bits != 4 or (pack is not None and pack.places is not None):  # the decode shifts zero points out
             return None
         rows, cols, shifts = spec.zeros.layout.locate((n, groups))(n_[None, :], group)
         zero_rows, zero_row_words = spec.zeros.layout.physical_shape((n, groups))
-        if zero_rows != groups:
+        zero_panel = panel_width(spec.zeros.layout, zero_row_words, 8)
+        if zero_rows != groups or zero_panel * CHUNK_N != panel * 8:  # panels as wide as the scales'
             return None
         shift_of_slot = [int(shifts[0, m == slot][0]) if np.any(m == slot) else 4 * slot for slot in range(8)]
-        if not (np.all(rows == group) and np.all(cols == 8 * c + g)
+        if not (np.all(rows * zero_row_words + cols == _panel_flat(group, 8 * c + g, groups, zero_panel))
                 and np.all(shifts == np.array(shift_of_slot)[m][None, :])):
             return None
         zero_shifts = tuple(shift_of_slot)
-    return LaneScales(groups, row_elements, 2 if ue5m3 else 4, zero_row_words, zero_shifts)
+    return LaneScales(groups, row_elements, 2 if ue5m3 else 4, zero_row_words, zero_shifts, panel, zero_panel)
 
 
 def _group_of_slab(spec: QuantSpec):
@@ -292,11 +342,13 @@ def _group_of_slab(spec: QuantSpec):
 @attrs.frozen
 class TileGeometry:
     """Where a Marlin-tile weight keeps its words: (E * slab_rows, slab_words) int32, a
-    slab-chunk's words contiguous, a lane's `words_per_lane` of them contiguous."""
+    slab-chunk's words contiguous, a lane's `words_per_lane` of them contiguous; the slab
+    rows stored in column panels `panel_words` wide (`slab_words`: rows as they are)."""
 
     bits: int
     slab_rows: int
     slab_words: int
+    panel_words: int
     words_per_chunk: int
     words_per_lane: int
 
@@ -305,7 +357,18 @@ class TileGeometry:
         bits = marlin_tile_bits(spec)
         slab_rows, slab_words = spec.weight.layout.physical_shape((n, k))
         words_per_chunk = CHUNK_N * SLAB_K * bits // 32
-        return cls(bits, slab_rows, slab_words, words_per_chunk, words_per_chunk // 32)
+        panel_words = panel_width(spec.weight.layout, slab_words, 32 // bits)
+        return cls(bits, slab_rows, slab_words, panel_words, words_per_chunk, words_per_chunk // 32)
+
+    def word_of(self):
+        """Device function (e, slab, chunk) -> int64 word where the slab-chunk starts."""
+        place, words_per_chunk = panel_place(self.slab_rows, self.slab_words, self.panel_words), self.words_per_chunk
+
+        @device
+        def word_of(e, slab, chunk):
+            return place(e, slab, chunk * words_per_chunk)
+
+        return word_of
 
 
 def bit_spread(moves: tuple) -> tuple[int, int, int, int] | None:
@@ -379,8 +442,7 @@ def _bit_chain(moves: tuple, and_or):
 
 def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneScales | None) -> FragmentReader:
     geometry = TileGeometry.of(spec, n, k)
-    bits, slab_rows, slab_words = geometry.bits, geometry.slab_rows, geometry.slab_words
-    words_per_chunk, words_per_lane = geometry.words_per_chunk, geometry.words_per_lane
+    bits, words_per_lane, word_of = geometry.bits, geometry.words_per_lane, geometry.word_of()
     fp4 = isinstance(spec.code, E2M1)
     constants = HALF_CONSTANTS[half]
     fma2, pack2 = ptx.fma2(half), ptx.pack2(half)
@@ -403,8 +465,8 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
     group_size = spec.group_size or SLAB_K * -(-k // SLAB_K)  # channel-wise: one group
     scale_words = lane.scale_words if lane else 0
     zero_words = 1 if lane and lane.zero_row_words else 0
-    groups, scale_row = (lane.groups, lane.row_elements) if lane else (1, 0)
-    zero_row, zero_shifts = (lane.zero_row_words, lane.zero_shifts) if lane else (0, ())
+    groups, zero_shifts = (lane.groups, lane.zero_shifts) if lane else (1, ())
+    scale_place, zero_place = (lane.scale_place(), lane.zero_place()) if lane else (None, None)
     magic_bits = uint32(constants.int4_magic & 0xFFFF)
     fixed_bits = int(round_to_half_bits(np.float64(-(constants.int4_magic_value + (spec.code.bias or 0))), half))
     fixed_offset_pair = uint32(fixed_bits | fixed_bits << 16)
@@ -436,23 +498,23 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
 
     @device
     def fetch(weights, e, slab, chunk, lane_id, raw):
-        first = (int64(e) * slab_rows + slab) * slab_words + chunk * words_per_chunk + lane_id * words_per_lane
+        first = word_of(e, slab, chunk) + lane_id * words_per_lane
         raw[0], raw[1], raw[2], raw[3] = load4(weights[0], first)
         if words_per_lane == 8:
             raw[4], raw[5], raw[6], raw[7] = load4(weights[0], first + 4)
         if scale_words:
             if group_size == SLAB_K:  # a group a slab (NVFP4): a batch's rows a constant apart, one address
-                row = int64(e) * groups + slab
+                group = slab
             else:
-                row = int64(e) * groups + uint32(slab) * uint32(SLAB_K) // uint32(group_size)
+                group = uint32(slab) * uint32(SLAB_K) // uint32(group_size)
             column = chunk * CHUNK_N + 8 * (lane_id // 4)
             if scale_words == 4:
                 (raw[words_per_lane], raw[words_per_lane + 1], raw[words_per_lane + 2],
-                 raw[words_per_lane + 3]) = load4(weights[1], row * scale_row + column)
+                 raw[words_per_lane + 3]) = load4(weights[1], scale_place(e, group, column))
             else:
-                raw[words_per_lane], raw[words_per_lane + 1] = load2(weights[1], row * scale_row + column)
+                raw[words_per_lane], raw[words_per_lane + 1] = load2(weights[1], scale_place(e, group, column))
             if zero_words:
-                raw[words_per_lane + scale_words] = load1(weights[2], row * zero_row + column // 8)
+                raw[words_per_lane + scale_words] = load1(weights[2], zero_place(e, group, column // 8))
 
     @device
     def lane_scale_pair(raw, column):
@@ -612,7 +674,8 @@ class StagedWeights:
 class CopyStream:
     """The 16-byte units one source array contributes to a stage: `per_row` units of each
     of its rows the stage covers (a row: one slab of weight words, or one scale group of
-    scales or zero points), `elements_per_chunk` elements of a row per 64-feature chunk."""
+    scales or zero points), `elements_per_chunk` elements of a row per 64-feature chunk,
+    the rows stored in column panels `panel_length` elements wide (`panel_place`)."""
 
     array: int  # index in the kernel's weights tuple
     units: int
@@ -620,6 +683,7 @@ class CopyStream:
     slabs_per_row: int
     rows_per_expert: int
     row_length: int  # elements
+    panel_length: int
     elements_per_chunk: int
     elements_per_unit: int
     first_word: int  # where the stream starts in a stage buffer
@@ -631,8 +695,8 @@ def _stream_copies(stream: CopyStream, threads: int, n_chunks: int, chunks: int)
     copies, whole = -(-stream.units // threads), stream.units // threads
     every_chunk = n_chunks % chunks == 0  # no CTA has a chunk past N: every whole copy exists
     array, units, per_row, slabs_per_row = stream.array, stream.units, stream.per_row, stream.slabs_per_row
-    rows_per_expert, row_length, first_word, first_copy = (stream.rows_per_expert, stream.row_length,
-                                                           stream.first_word, stream.first_copy)
+    first_word, first_copy, panel_length = stream.first_word, stream.first_copy, stream.panel_length
+    place = panel_place(stream.rows_per_expert, stream.row_length, panel_length)
     per_chunk, per_unit = stream.elements_per_chunk, stream.elements_per_unit
     copy_async = ptx.copy_async
 
@@ -648,15 +712,14 @@ def _stream_copies(stream: CopyStream, threads: int, n_chunks: int, chunks: int)
                 run = first_chunk if local < first_half else second_chunk - chunks // 2
                 element = run * per_chunk + local
                 if element < n_chunks * per_chunk:
-                    row = uint32(e * rows_per_expert + unit // uint32(per_row))
-                    sources[first_copy + i] = uint32(row * uint32(row_length) + uint32(element))
+                    sources[first_copy + i] = uint32(place(e, unit // uint32(per_row), element))
 
     def make_copy(checked: bool):
         """Copies of a stage; `checked`: zero-fill rows at or past `remaining` slabs."""
 
         @device
         def copy(weights, sources, first_slab, remaining, tiles, base, thread):
-            advance = uint32(first_slab) // uint32(slabs_per_row) * uint32(row_length)
+            advance = uint32(first_slab) // uint32(slabs_per_row) * uint32(panel_length)  # rows further down a panel
             for i in range(copies):
                 unit = uint32(thread) + uint32(i * threads)
                 source = sources[first_copy + i]
@@ -711,12 +774,12 @@ def staged_weights(spec: QuantSpec, n: int, k: int, half: str, chunks: int, slab
     chunk_scale_words = CHUNK_N * scale_words // 8  # a chunk's 64 scales (2 or 1 bytes each), in words
     # Weight words per slab, then scales and zero points per group, each in 16-byte units.
     weights = CopyStream(0, slabs * chunks * words_per_chunk // 4, chunks * words_per_chunk // 4, 1, geometry.slab_rows,
-                         geometry.slab_words, words_per_chunk, 4, 0, 0)
+                         geometry.slab_words, geometry.panel_words, words_per_chunk, 4, 0, 0)
     scales = CopyStream(1, stage_groups * chunks * chunk_scale_words // 4, chunks * chunk_scale_words // 4,
-                        slabs_per_group, lane.groups, lane.row_elements, CHUNK_N, 16 // (2 if scale_words == 4 else 1),
-                        4 * weights.units, -(-weights.units // threads))
+                        slabs_per_group, lane.groups, lane.row_elements, lane.panel_elements, CHUNK_N,
+                        16 // (2 if scale_words == 4 else 1), 4 * weights.units, -(-weights.units // threads))
     zeros = CopyStream(2, stage_groups * chunks * 2 * zero_words, chunks * 2, slabs_per_group, lane.groups,
-                       lane.zero_row_words, 8, 4, scales.first_word + 4 * scales.units,
+                       lane.zero_row_words, lane.zero_panel_words, 8, 4, scales.first_word + 4 * scales.units,
                        scales.first_copy + -(-scales.units // threads))
     weight_words, scale_total = 4 * weights.units, 4 * scales.units
     stage_words = zeros.first_word + 4 * zeros.units
@@ -765,25 +828,44 @@ def staged_weights(spec: QuantSpec, n: int, k: int, half: str, chunks: int, slab
 
     run_chunks = chunks // 2  # the first run of chunks (gemm1's gate half, `plan`); the rest follow second_chunk
     chunk_zero_words = 8 * zero_words
-    slab_rows, slab_words = geometry.slab_rows, geometry.slab_words
-    groups, scale_row, zero_row = lane.groups, lane.row_elements, lane.zero_row_words
+    # Chunks whose scales (and zero points) are stored one after another: a panel's (the
+    # zero points' panels are as wide, `_marlin_tiles`).
+    scale_panel_chunks = lane.panel_elements // CHUNK_N
+    word_of, scale_place, zero_place = geometry.word_of(), lane.scale_place(), lane.zero_place()
+    panel_chunks = geometry.panel_words // words_per_chunk  # chunks of a slab stored one after another
     bulk_copy = ptx.bulk_copy
 
     @device
     def copy_rows(weights, e, chunk, local, count, first_slab, tiles, base, barrier):
         """The stage's rows of `count` chunks from `chunk` on, to local chunk `local`:
-        weight words a slab, scales and zero points a group."""
-        for slab in range(slabs):
-            row = int64(e) * slab_rows + first_slab + slab
-            bulk_copy(tiles, base + (slab * chunks + local) * words_per_chunk, weights[0],
-                      row * slab_words + chunk * words_per_chunk, 4 * count * words_per_chunk, barrier)
-        for group in range(stage_groups):
-            row = int64(e) * groups + uint32(first_slab) * uint32(SLAB_K) // uint32(group_size) + group
-            bulk_copy(tiles, base + weight_words + (group * chunks + local) * chunk_scale_words, weights[1],
-                      row * scale_row + chunk * CHUNK_N, 4 * count * chunk_scale_words, barrier)
-            if zero_words:
-                bulk_copy(tiles, base + weight_words + scale_total + (group * chunks + local) * chunk_zero_words,
-                          weights[2], row * zero_row + chunk * 8, 4 * count * chunk_zero_words, barrier)
+        weight words a panel's run of a slab (the whole stage in one copy where the
+        CTA's chunks are one panel: its slabs follow one another), scales and zero points
+        a panel's run of a group."""
+        if count == chunks == panel_chunks and chunk % panel_chunks == 0:
+            bulk_copy(tiles, base, weights[0], word_of(e, first_slab, chunk), 4 * slabs * chunks * words_per_chunk,
+                      barrier)
+        else:
+            done = 0
+            while done < count:
+                piece = min(count - done, panel_chunks - (chunk + done) % panel_chunks)
+                for slab in range(slabs):
+                    bulk_copy(tiles, base + (slab * chunks + local + done) * words_per_chunk, weights[0],
+                              word_of(e, first_slab + slab, chunk + done), 4 * piece * words_per_chunk, barrier)
+                done += piece
+        first_group = uint32(first_slab) * uint32(SLAB_K) // uint32(group_size)
+        done = 0
+        while done < count:
+            piece = min(count - done, scale_panel_chunks - (chunk + done) % scale_panel_chunks)
+            for group in range(stage_groups):
+                column = group * chunks + local + done
+                bulk_copy(tiles, base + weight_words + column * chunk_scale_words, weights[1],
+                          scale_place(e, first_group + group, (chunk + done) * CHUNK_N), 4 * piece * chunk_scale_words,
+                          barrier)
+                if zero_words:
+                    bulk_copy(tiles, base + weight_words + scale_total + column * chunk_zero_words, weights[2],
+                              zero_place(e, first_group + group, (chunk + done) * 8), 4 * piece * chunk_zero_words,
+                              barrier)
+            done += piece
 
     @device
     def copy_bulk(weights, e, first_chunk, second_chunk, first_slab, tiles, base, barrier):

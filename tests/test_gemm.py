@@ -450,25 +450,28 @@ def _small_problem(half=torch.bfloat16):
 
 @pytest.mark.parametrize("spec", [formats.native(4, 128), formats.native(4, 64, zero_points=True),
                                   formats.native(fp4=True)], ids=lambda spec: spec.name)
-@pytest.mark.parametrize("second_chunk", [1, 3], ids=["one run", "two runs"])
-def test_bulk_staging_fills_a_stage_exactly_as_the_threads_copies_do(spec, second_chunk):
+@pytest.mark.parametrize("chunks, first_chunk, second_chunk, n", [(2, 0, 1, 256), (2, 0, 3, 256), (2, 1, 2, 256),
+                                                                  (4, 0, 2, 512), (1, 1, 1, 128)],
+                         ids=["a panel", "two runs", "across panels", "two panels", "a chunk"])
+def test_bulk_staging_fills_a_stage_exactly_as_the_threads_copies_do(spec, chunks, first_chunk, second_chunk, n):
     """`StagedWeights.copy_bulk` (one thread's bulk copies on an mbarrier) writes every
     word of a stage that the threads' 16-byte copies write, for each stage of an expert:
-    codes, scales and zero points, the chunks as one run or two (gemm1's gate and up)."""
-    experts, n, k, chunks, slabs, threads = 2, 256, 256, 2, 4, 64
+    codes, scales and zero points, the chunks as one run or two (gemm1's gate and up),
+    one column panel of the native layout (`formats.NATIVE_PANEL`), parts of two, or two."""
+    experts, k, slabs, threads = 2, 256, 4, 64
     assert bulk_staging_supported(spec, n, k, "bfloat16", chunks, slabs)
     assert not bulk_staging_supported(spec, n, k + 16, "bfloat16", chunks, slabs)  # a partial stage
-    assert not bulk_staging_supported(spec, 192, k, "bfloat16", chunks, slabs)  # a chunk past N
+    assert chunks == 1 or not bulk_staging_supported(spec, n - 64, k, "bfloat16", chunks, slabs)  # a chunk past N
     staged = staged_weights(spec, n, k, "bfloat16", chunks, slabs, threads)
     words, steps, copies = staged.stage_words, k // (slabs * 16), staged.copies_per_thread
     plan, copy, copy_bulk, wait_all = staged.plan, staged.copy, staged.copy_bulk, ptx.wait_copies[0]
 
     @ptx.kernel
-    def run(weights, e, second, seen):
+    def run(weights, e, first, second, seen):
         shared = cuda.shared.array(0, uint32)
         thread = uint32(cuda.threadIdx.x)
         sources = cuda.local.array(copies, uint32)
-        plan(e, uint32(0), second, thread, sources)
+        plan(e, first, second, thread, sources)
         if thread == 0:
             ptx.mbarrier_init(shared, 2 * words, 1)
         for step in range(steps):
@@ -480,7 +483,7 @@ def test_bulk_staging_fills_a_stage_exactly_as_the_threads_copies_do(spec, secon
             ptx.commit_copies()
             if thread == 0:
                 ptx.mbarrier_expect_bytes(shared, 2 * words, 4 * words)
-                copy_bulk(weights, e, uint32(0), second, step * slabs, shared, uint32(words), 2 * words)
+                copy_bulk(weights, e, first, second, step * slabs, shared, uint32(words), 2 * words)
             wait_all()
             ptx.mbarrier_wait(shared, 2 * words, step % 2)
             cuda.syncthreads()
@@ -492,7 +495,7 @@ def test_bulk_staging_fills_a_stage_exactly_as_the_threads_copies_do(spec, secon
     weights = KernelWeights.from_physical(spec, spec.pack(q), (experts, n, k))
     for e in range(experts):
         seen = np.zeros((steps, 2 * words), np.uint32)
-        run[1, threads, 0, 4 * (2 * words + 2)](weights.arrays(), e, second_chunk, seen)
+        run[1, threads, 0, 4 * (2 * words + 2)](weights.arrays(), e, first_chunk, second_chunk, seen)
         np.testing.assert_array_equal(seen[:, words:], seen[:, :words])
         assert not (seen == 0xDEADBEEF).any()
 

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from layouts import E2M1, Quantized, formats
+from layouts import E2M1, Layout, Panels, Quantized, formats
 from layouts.encodings import E4M3_VALUES
 from layouts.strategies import spec_and_weight
 
@@ -88,8 +88,8 @@ def test_native_nvfp4_folds_scale_signs_and_zeros_into_the_codes():
     q = Quantized(rng.integers(0, 16, (64, 128)), scales, global_scale=np.array(2.0, np.float32))
     native, checkpoint = formats.native(fp4=True), formats.nvfp4()
     physical = native.pack(q)
-    np.testing.assert_array_equal(native.dequantize(physical), checkpoint.dequantize(checkpoint.pack(q)))
-    stored = native.unpack(physical)
+    np.testing.assert_array_equal(native.dequantize(physical, (64, 128)), checkpoint.dequantize(checkpoint.pack(q)))
+    stored = native.unpack(physical, (64, 128))  # N padded to 128: the logical shape is not recoverable
     assert np.all(stored.scales > 0)
     folded = np.repeat(scales, 16, axis=1)
     np.testing.assert_array_equal(stored.codes, np.where(folded == 0, 0, np.where(folded < 0, q.codes ^ 8, q.codes)))
@@ -108,3 +108,34 @@ def test_partial_last_group_has_its_own_scale_row(k, group_size):
     weights = spec.dequantize(physical)
     last = (groups - 1) * group_size
     np.testing.assert_array_equal(weights[:, last:], (q.codes[:, last:] - 8.0) * q.scales[:, -1:].astype(np.float64))
+
+
+def test_panels_store_each_column_panel_as_one_run():
+    """`Panels(2)` of a (3, 4) grid: columns 0-1 over all rows, then columns 2-3, the shape kept."""
+    grid = np.arange(12).reshape(3, 4)
+    stored = Layout((Panels(2),)).pack(grid)
+    assert stored.shape == (3, 4)
+    np.testing.assert_array_equal(stored.ravel(), grid[:, :2].ravel().tolist() + grid[:, 2:].ravel().tolist())
+
+
+@pytest.mark.parametrize("spec", [formats.native(4, 128), formats.native(4, 64, zero_points=True),
+                                  formats.native(fp4=True)], ids=lambda spec: spec.name)
+def test_native_layout_stores_a_panel_of_features_over_all_of_k_as_one_run(spec):
+    """Features 128 .. 255 of three panels (`formats.NATIVE_PANEL`): every byte where
+    their codes, scales and zero points differ from the others' lies in the middle third
+    of its tensor, which they fill."""
+    n, k = 3 * formats.NATIVE_PANEL, 256
+    second = (np.arange(n) // formats.NATIVE_PANEL == 1)[:, None]
+    ones = np.ones((n, spec.groups(k)))
+
+    def packed(mark: bool) -> dict:
+        marked = second & mark
+        return spec.pack(Quantized(np.where(marked, 1, 0) * np.ones((1, k), np.int64), np.where(marked, 2.0, 1.0) * ones,
+                                   zeros=np.where(marked, 1, 0) * ones.astype(np.int64) if spec.zeros else None,
+                                   global_scale=np.array(1.0, np.float32) if spec.global_scale_name else None))
+
+    plain, marked = packed(False), packed(True)
+    for tensor in filter(None, (spec.weight, spec.scales, spec.zeros)):
+        before, after = (np.ascontiguousarray(p[tensor.name]).view(np.uint8).ravel() for p in (plain, marked))
+        changed, third = np.flatnonzero(before != after), before.size // 3
+        assert changed.min() >= third and changed.max() < 2 * third and changed.size > third // 4, tensor.name
