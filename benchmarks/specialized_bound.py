@@ -134,7 +134,7 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
     scale_image_slot = image_slot + 1  # `split`: the scales' tensor (a constant: the tuple's items differ in type)
     stage_of = image_stage(n // (CHUNK_N * chunks), steps, steps_first)
     reader = fragment_reader(spec, n, k, HALF)
-    fetch, copy_bulk, decode = staged.fetch, staged.copy_bulk, reader.decode
+    fetch, copy_bulk, copy_panel, decode = staged.fetch, staged.copy_bulk, staged.copy_panel, reader.decode
     output_scale, raw_words = reader.output_scale, reader.raw_words
     w_words, a_words, b_words = staged.stage_words, STAGE_SLABS * chunks * TILE_WORDS, STAGE_SLABS * slots * 8
     # The copies' ring is `stages` deep; the decoded A tiles need only two buffers: the
@@ -165,6 +165,9 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
                         ptx.bulk_copy(shared, buffer * uint32(w_words) + uint32(bounds[c]), weights[image_slot],
                                       stage * uint32(w_words) + uint32(bounds[c]),
                                       uint32(4 * (bounds[c + 1] - bounds[c])), barrier)
+            elif copy_panel is not None:  # a CTA's chunks one panel (first_chunk a multiple of chunks)
+                copy_panel(weights, expert, first_chunk, step * uint32(STAGE_SLABS), shared, buffer * uint32(w_words),
+                           barrier)
             else:
                 copy_bulk(weights, expert, first_chunk, first_chunk + uint32(chunks // 2), step * uint32(STAGE_SLABS),
                           shared, buffer * uint32(w_words), barrier)

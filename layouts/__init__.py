@@ -25,7 +25,7 @@ def convert(physical: dict, src: QuantSpec, dst: QuantSpec) -> dict:
 
 
 __all__ = [
-    "BitPack", "E2M1", "FloatFormat", "IntCode", "InterleaveHalves", "Layout", "Pad", "PadHalves",
-    "Panels", "Permute", "QuantSpec", "Quantized", "SwapHalves", "Swizzle128x4", "Tensor", "Tile", "Transpose", "convert", "explain",
+    "BitPack", "E2M1", "FloatFormat", "IntCode", "InterleaveHalves", "Layout", "Pad", "PadHalves", "Panels",
+    "Permute", "QuantSpec", "Quantized", "SwapHalves", "Swizzle128x4", "Tensor", "Tile", "Transpose", "convert", "explain",
     "formats",
 ]

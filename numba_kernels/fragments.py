@@ -10,8 +10,9 @@ operand (tokens x K), weights the B operand (K x output features). One warp owns
 
 Two readers produce exactly these 16 registers, behind one interface:
 
-* `MarlinTileReader`, for the kernel-native layout (`formats.native`, Marlin's tiles):
-  a lane's 32 codes of a slab-chunk are 16 contiguous bytes (32 for 8-bit codes), so one
+* `MarlinTileReader`, for the kernel-native layout (`formats.native`, Marlin's tiles in
+  column panels of two chunks, `panel_place`; Marlin's own rows alike): a lane's 32
+  codes of a slab-chunk are 16 contiguous bytes (32 for 8-bit codes), so one
   ``ld.global.nc.v4`` fetches them; codes become half pairs with integer bit tricks
   (``(word >> 4i) & 0x000F000F | magic`` is the pair 128 + q, or 1024 + q in float16),
   then two packed FMAs subtract the zero point and apply the scale. e2m1 codes have
@@ -250,8 +251,9 @@ class LaneScales:
 
 
 def panel_width(layout, row_length: int, per_element: int = 1) -> int:
-    """Width of the column panels `layout` stores its rows in (its `Panels` step's columns
-    over `per_element` logical ones a physical element), or `row_length`: rows as they are."""
+    """Width in physical elements of the column panels `layout` stores its rows in (its
+    `Panels` step's columns, `per_element` of them packed in an element), or `row_length`
+    where it has none: rows as they are."""
     panel = next((step.cols for step in layout.steps if isinstance(step, Panels)), None)
     return row_length if panel is None else panel // per_element
 
@@ -262,20 +264,20 @@ def panel_place(rows: int, row_length: int, panel: int):
     language's `Panels`; `panel == row_length`: rows as they are)."""
     if panel == row_length:
         @device
-        def place(e, row, element):
+        def in_rows(e, row, element):
             return (int64(e) * rows + row) * row_length + element
 
-        return place
+        return in_rows
 
     panel_size = rows * panel
 
     @device
-    def panel_place_(e, row, element):
+    def in_panels(e, row, element):
         element = uint32(element)  # unsigned: the divisions by a power of two are shifts
         return (int64(e) * rows * row_length + int64(element // uint32(panel)) * panel_size + int64(row) * panel
                 + element % uint32(panel))
 
-    return panel_place_
+    return in_panels
 
 
 def _panel_flat(row, element, rows: int, panel: int):
@@ -655,9 +657,13 @@ class StagedWeights:
         slab-chunk in the order the reader's `fetch` gives them, so its `decode` applies;
     copy_bulk(weights, e, first_chunk, second_chunk, first_slab, tiles, base, barrier):
         the same stage (a whole one, `bulk_staging_supported`) in a few bulk copies from
-        one thread, a row of a run of chunks each (`ptx.bulk_copy`, counted on the
+        one thread, a panel's run of a slab or group each (a copy a tensor where the
+        CTA's chunks are one panel: `copy_panel`) (`ptx.bulk_copy`, counted on the
         mbarrier at word `barrier`, which the caller has told to expect
-        `4 * stage_words` bytes): no copy instructions or addresses in the other threads.
+        `4 * stage_words` bytes): no copy instructions or addresses in the other threads;
+    copy_panel(weights, e, first_chunk, first_slab, tiles, base, barrier): the same where
+        the CTA's chunks are one column panel of each tensor (from `first_chunk`, a
+        multiple of `chunks`), straight-line, a copy a tensor; None where they cannot be.
     """
 
     stage_words: int
@@ -668,6 +674,7 @@ class StagedWeights:
     copy_partial: object
     fetch: object
     copy_bulk: object
+    copy_panel: object
 
 
 @attrs.frozen
@@ -829,29 +836,37 @@ def staged_weights(spec: QuantSpec, n: int, k: int, half: str, chunks: int, slab
     run_chunks = chunks // 2  # the first run of chunks (gemm1's gate half, `plan`); the rest follow second_chunk
     chunk_zero_words = 8 * zero_words
     # Chunks whose scales (and zero points) are stored one after another: a panel's (the
-    # zero points' panels are as wide, `_marlin_tiles`).
+    # zero points' panels are as wide: `lane_scales`).
     scale_panel_chunks = lane.panel_elements // CHUNK_N
     word_of, scale_place, zero_place = geometry.word_of(), lane.scale_place(), lane.zero_place()
     panel_chunks = geometry.panel_words // words_per_chunk  # chunks of a slab stored one after another
     bulk_copy = ptx.bulk_copy
 
+    one_panel = chunks == panel_chunks == scale_panel_chunks  # a CTA's chunks can be one panel of each tensor
+
+    @device
+    def copy_panel(weights, e, chunk, first_slab, tiles, base, barrier):
+        """The stage of a CTA whose chunks are one panel: a run of each tensor, as the
+        stage buffer holds them (slabs, then groups, one after another)."""
+        first_group = uint32(first_slab) * uint32(SLAB_K) // uint32(group_size)
+        bulk_copy(tiles, base, weights[0], word_of(e, first_slab, chunk), 4 * weight_words, barrier)
+        bulk_copy(tiles, base + weight_words, weights[1], scale_place(e, first_group, chunk * CHUNK_N), 4 * scale_total,
+                  barrier)
+        if zero_words:
+            bulk_copy(tiles, base + weight_words + scale_total, weights[2], zero_place(e, first_group, chunk * 8),
+                      4 * stage_groups * chunks * chunk_zero_words, barrier)
+
     @device
     def copy_rows(weights, e, chunk, local, count, first_slab, tiles, base, barrier):
-        """The stage's rows of `count` chunks from `chunk` on, to local chunk `local`:
-        weight words a panel's run of a slab (the whole stage in one copy where the
-        CTA's chunks are one panel: its slabs follow one another), scales and zero points
-        a panel's run of a group."""
-        if count == chunks == panel_chunks and chunk % panel_chunks == 0:
-            bulk_copy(tiles, base, weights[0], word_of(e, first_slab, chunk), 4 * slabs * chunks * words_per_chunk,
-                      barrier)
-        else:
-            done = 0
-            while done < count:
-                piece = min(count - done, panel_chunks - (chunk + done) % panel_chunks)
-                for slab in range(slabs):
-                    bulk_copy(tiles, base + (slab * chunks + local + done) * words_per_chunk, weights[0],
-                              word_of(e, first_slab + slab, chunk + done), 4 * piece * words_per_chunk, barrier)
-                done += piece
+        """The stage's rows of `count` chunks from `chunk` on, to local chunk `local`: a
+        panel's run of each slab, then of each group's scales and zero points."""
+        done = 0
+        while done < count:
+            piece = min(count - done, panel_chunks - (chunk + done) % panel_chunks)
+            for slab in range(slabs):
+                bulk_copy(tiles, base + (slab * chunks + local + done) * words_per_chunk, weights[0],
+                          word_of(e, first_slab + slab, chunk + done), 4 * piece * words_per_chunk, barrier)
+            done += piece
         first_group = uint32(first_slab) * uint32(SLAB_K) // uint32(group_size)
         done = 0
         while done < count:
@@ -869,13 +884,17 @@ def staged_weights(spec: QuantSpec, n: int, k: int, half: str, chunks: int, slab
 
     @device
     def copy_bulk(weights, e, first_chunk, second_chunk, first_slab, tiles, base, barrier):
-        if chunks == 1 or second_chunk == first_chunk + run_chunks:  # one run: a copy a row
+        one_run = chunks == 1 or second_chunk == first_chunk + run_chunks
+        if one_panel and one_run and first_chunk % chunks == 0:
+            copy_panel(weights, e, first_chunk, first_slab, tiles, base, barrier)
+        elif one_run:
             copy_rows(weights, e, first_chunk, 0, chunks, first_slab, tiles, base, barrier)
         else:
             copy_rows(weights, e, first_chunk, 0, run_chunks, first_slab, tiles, base, barrier)
             copy_rows(weights, e, second_chunk, run_chunks, chunks - run_chunks, first_slab, tiles, base, barrier)
 
-    return StagedWeights(stage_words, weight_words, copies_per_thread, plan, copy, copy_partial, fetch, copy_bulk)
+    return StagedWeights(stage_words, weight_words, copies_per_thread, plan, copy, copy_partial, fetch, copy_bulk,
+                         copy_panel if one_panel else None)
 
 
 def _no_groups():
