@@ -17,8 +17,9 @@ GEMMs (sixty-sixth and sixty-seventh sessions):
   slabs copied into a ring `stages` deep and decoded into two buffers of A tiles;
 * one thread copies each stage in a few bulk copies (`ptx.bulk_copy`) counted on the
   stage's mbarrier: the weights as the prefill GEMM stages them
-  (`fragments.StagedWeights.copy_bulk`: codes, scales, zero points of the native
-  layout) and the activations, stored stage by stage in the order the stage holds them
+  (`fragments.StagedWeights.copy_panel`: codes, scales, zero points of the native
+  layout, a copy each, where a CTA's chunks are one column panel; else `copy_bulk`)
+  and the activations, stored stage by stage in the order the stage holds them
   (`stage_blocks`);
 * 2 x `chunks` *producer* warps (two slabs of a chunk each) decode the staged codes with
   the GEMM's own reader (`fragments.fragment_reader`: int4 with or without zero points,
@@ -57,9 +58,14 @@ NVFP4 380 / 195 in one (0.79x): both the copies' locality and their count.
 stored stage by stage would be copied) keeps most of it (sixty-ninth session): 360 /
 185 (0.75x), NVFP4 391 / 201 (0.81x); `--steps-first` changes nothing. A native layout
 storing the codes so (branch `stage-tiles`, its scales a row a group) took 418 / 218
-(0.88x). `--image-copies split` (not yet timed) copies from two tensors each stored
-stage by stage, the codes' stages exactly 4 KB apart as that layout's: whether the
-stride or the scales' rows cost the difference.
+(0.88x); `--image-copies split` (two tensors each stored stage by stage, the codes'
+stages exactly 4 KB apart) 356 / 183 (seventieth session). The native layout in column
+panels (`formats.NATIVE_PANEL`: a CTA's codes, scales and zero points each one run over
+all of K) reaches the image's bound, 355 / 182 (0.74x) and NVFP4 392 / 199 (0.81x), once
+each stage's copies are issued from addresses computed straight (`copy_panel`): through
+`copy_bulk`'s run-time checks and loops the issuing thread, whose warp's other lanes
+decode, took it to 430 / 229. The image's gain was that thread's work, not the
+copies' locality.
 """
 
 from __future__ import annotations
@@ -118,7 +124,7 @@ def make_bound_kernel(spec, n: int, k: int, widths: tuple[int, ...], chunks: int
     without it. `image_copies` not 0: each stage's weights from `stage_image`, passed
     after the weights' arrays (what a layout stored stage by stage would give; "split":
     the two tensors of `split_image`), in the copies `image_bounds` gives, instead of
-    `copy_bulk`'s copy a slab and a group from the native layout (`steps_first`: the
+    `copy_panel`'s copy a tensor from the native layout (`steps_first`: the
     image's order, `image_stage`)."""
     if (not bulk_staging_supported(spec, n, k, HALF, chunks, STAGE_SLABS) or not 2 <= stages <= 7 or not widths
             or not set(widths) <= set(ptx.WARPGROUP_COLUMNS) or leave_out not in LEFT_OUT):
@@ -547,7 +553,7 @@ def main(argv=None) -> None:
     parser.add_argument("--one-width", action="store_true",
                         help="every expert's wgmma as wide as the most slots an expert has (one compiled width)")
     parser.add_argument("--image-copies", type=image_copies_arg, nargs="+", default=[0],
-                        help="copies a stage of the weights: 0 from the native layout (a copy a slab and a group); "
+                        help="copies a stage of the weights: 0 from the native layout (`copy_panel`: a copy a tensor); "
                              "from the weights stored stage by stage (`stage_image`): n > 0 in n about equal copies, "
                              "'tensors' a copy for the codes and one for the scales and zero points, 'split' the "
                              "same from two tensors, each stored stage by stage")
