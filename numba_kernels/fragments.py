@@ -657,8 +657,7 @@ class StagedWeights:
         slab-chunk in the order the reader's `fetch` gives them, so its `decode` applies;
     copy_bulk(weights, e, first_chunk, second_chunk, first_slab, tiles, base, barrier):
         the same stage (a whole one, `bulk_staging_supported`) in a few bulk copies from
-        one thread, a panel's run of a slab or group each (a copy a tensor where the
-        CTA's chunks are one panel: `copy_panel`) (`ptx.bulk_copy`, counted on the
+        one thread, a panel's run of a slab or group each (`ptx.bulk_copy`, counted on the
         mbarrier at word `barrier`, which the caller has told to expect
         `4 * stage_words` bytes): no copy instructions or addresses in the other threads;
     copy_panel(weights, e, first_chunk, first_slab, tiles, base, barrier): the same where
@@ -884,10 +883,7 @@ def staged_weights(spec: QuantSpec, n: int, k: int, half: str, chunks: int, slab
 
     @device
     def copy_bulk(weights, e, first_chunk, second_chunk, first_slab, tiles, base, barrier):
-        one_run = chunks == 1 or second_chunk == first_chunk + run_chunks
-        if one_panel and one_run and first_chunk % chunks == 0:
-            copy_panel(weights, e, first_chunk, first_slab, tiles, base, barrier)
-        elif one_run:
+        if chunks == 1 or second_chunk == first_chunk + run_chunks:  # one run
             copy_rows(weights, e, first_chunk, 0, chunks, first_slab, tiles, base, barrier)
         else:
             copy_rows(weights, e, first_chunk, 0, run_chunks, first_slab, tiles, base, barrier)
