@@ -48,7 +48,7 @@ import torch
 import numba_kernels  # noqa: F401  (before numba: no simulator on a GPU machine)
 from moe import MoEConfig, MoEHooks, MoELayer, QuantScheme, check_inputs, prepare
 from moe.oracle import tuned_entries
-from moe.runner import fused_activation, fused_combine
+from moe.runner import fused_activation, fused_combine, specialized_gemm1, specialized_gemm2
 from numba_kernels import interop
 from numba_kernels.gemm import grouped_gemm
 from numba_kernels.launch import EARLY_LAUNCH, Launcher, recording, replaying
@@ -210,6 +210,9 @@ def layer_gemms(layer: MoELayer, hidden: torch.Tensor, topk_weights: torch.Tenso
     buffers, backend, slots = prepared.buffers, prepared.backend, topk_ids.numel()
     alignment = (buffers.sorted_token_ids, buffers.expert_ids, buffers.num_tokens_post_padded)
     arrivals2 = torch.zeros_like(buffers.arrivals) if own_counters else buffers.arrivals
+    if backend.specialized is not None:  # the warp-specialised pair, its gather and activation included
+        return (lambda fused=True: specialized_gemm1(prepared, layer.weights),
+                lambda fused=True: specialized_gemm2(prepared, layer.weights), backend)
     then1 = fused_activation(config, backend.gemm1, buffers.intermediate, buffers.arrivals)
     then2 = fused_combine(config, backend.gemm2, prepared.topk_weights, buffers.output, arrivals2)
 
@@ -222,6 +225,21 @@ def layer_gemms(layer: MoELayer, hidden: torch.Tensor, topk_weights: torch.Tenso
                      out=buffers.gemm2_out, then=then2 if fused else None, alignment_ready=True, check_ids=False)
 
     return gemm1, gemm2, backend
+
+
+def best_times(timer, layer: MoELayer, hidden, logits, topk_weights, topk_ids, attempts: int = 3) -> tuple:
+    """(GEMMs ms, layer ms, backend): each the best of `attempts` medians of 40 replays,
+    the GEMMs as `layer_gemms` launches them (side-by-side comparisons: compare_trees.py,
+    specialized_ab.py)."""
+    gemm1, gemm2, backend = layer_gemms(layer, hidden, topk_weights, topk_ids)
+
+    def gemms():
+        gemm1()
+        gemm2()
+
+    gemm_ms = min(timer(captured(replaying(gemms)), repeats=40) for _ in range(attempts))
+    layer_ms = min(timer(captured(lambda: layer(hidden, logits)), repeats=40) for _ in range(attempts))
+    return gemm_ms, layer_ms, backend
 
 
 def bench_row(timer, layer, reference, tokens, generator, bandwidth, rate) -> dict:

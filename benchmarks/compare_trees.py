@@ -46,9 +46,8 @@ def worker(tree: str, jobs: list[str], attempts: int = 3) -> None:
     """Time `jobs` with the code of `tree` (imported from there); one JSON line per job."""
     sys.path[:0] = [tree, os.path.join(tree, "benchmarks")]
     import torch
-    from bench_moe import FORMATS, SHAPES, Timer, captured, layer_gemms, routing_for
+    from bench_moe import FORMATS, SHAPES, Timer, best_times, routing_for
     from moe import MoEConfig, MoELayer
-    from numba_kernels.launch import replaying
 
     timer = Timer()
 
@@ -60,14 +59,7 @@ def worker(tree: str, jobs: list[str], attempts: int = 3) -> None:
         generator = torch.Generator(device="cuda").manual_seed(tokens)
         hidden = torch.randn(tokens, config.hidden_size, generator=generator, device="cuda").to(torch.bfloat16)
         logits, topk_weights, topk_ids = routing_for(config, tokens, generator)
-        gemm1, gemm2, backend = layer_gemms(layer, hidden, topk_weights, topk_ids)
-
-        def gemms():
-            gemm1()
-            gemm2()
-
-        gemm_ms = min(timer(captured(replaying(gemms)), repeats=40) for _ in range(attempts))
-        layer_ms = min(timer(captured(lambda: layer(hidden, logits)), repeats=40) for _ in range(attempts))
+        gemm_ms, layer_ms, backend = best_times(timer, layer, hidden, logits, topk_weights, topk_ids, attempts)
         return dict(job=job, gemm_us=gemm_ms * 1e3, layer_us=layer_ms * 1e3, backend=repr(backend))
 
     for job in jobs:

@@ -130,8 +130,8 @@ def evolve_tiles(changes: list[str]) -> None:
         fields[gemm][field] = flags[value.lower()] if value.lower() in flags else int(value)
     select = moe.oracle.select_backend
 
-    def evolved(config, tokens, spec):
-        backend = select(config, tokens, spec)
+    def evolved(config, tokens, spec, *, specialized=True):
+        backend = select(config, tokens, spec, specialized=specialized)
         return attrs.evolve(backend, **{gemm: attrs.evolve(getattr(backend, gemm), **fields[gemm]) for gemm in fields})
 
     moe.runner.select_backend = moe.workspace.select_backend = evolved

@@ -2,7 +2,9 @@
 call shape (the GEMM wrappers compile what it names, once per configuration). Nothing else
 in the runner makes these choices.
 
-`select_backend(config, num_tokens, spec)` looks the shape up in the tuned configurations
+`select_backend(config, num_tokens, spec)` takes the warp-specialised GEMM where
+`specialized_backend` allows it (Hopper, tens of slots an expert, large experts: measured,
+not tuned), else looks the shape up in the tuned configurations
 of this device (`moe/tuned/sm_<major><minor>/<device>.json`, written by `python -m
 moe.tune`), topped up by those another GPU of the same architecture measured (`tuned_entries`:
 an H100 takes the H200's tiles for the token counts it has not tuned itself, rather than
@@ -64,6 +66,7 @@ from numba_kernels import interop
 from numba_kernels.fragments import SLAB_K
 from numba_kernels.epilogue import activation_fusable, activation_kind, combine_kind
 from numba_kernels.gemm import GemmTile, paired_activation, prefill_supported
+from numba_kernels.gemm_specialized import SpecializedTile, specialized_supported
 from numba_kernels.route_align import max_lanes
 
 from .config import MoEConfig
@@ -85,15 +88,20 @@ lanes, 14.4 us against 5.0 + 6.9 us; Mixtral M = 16, one pass, 6.6 against 4.4 +
 @attrs.frozen
 class Backend:
     """The oracle's choice for one call shape: the alignment block size and the tiles of
-    the two grouped GEMMs (gemm1: hidden -> gate/up, gemm2: intermediate -> hidden)."""
+    the two grouped GEMMs (gemm1: hidden -> gate/up, gemm2: intermediate -> hidden).
+    `specialized`: both GEMMs run warp-specialised instead (`numba_kernels.gemm_specialized`),
+    the tiles serving only calls whose hooks must see the GEMMs' outputs slot by slot."""
 
     block_m: int
     gemm1: GemmTile
     gemm2: GemmTile
+    specialized: SpecializedTile | None = None
 
     def __attrs_post_init__(self):
         if self.gemm1.block_m != self.block_m or self.gemm2.block_m != self.block_m:
             raise ValueError("both GEMM tiles must use the alignment block size")
+        if self.specialized is not None and self.specialized.block_m != self.block_m:
+            raise ValueError("the warp-specialised tile must use the alignment block size")
 
     def split_k(self) -> int:
         return max(self.gemm1.split_k, self.gemm2.split_k)
@@ -172,6 +180,49 @@ def _prefill_backend(config: MoEConfig, num_tokens: int) -> Backend:
     per_expert = num_tokens * config.top_k / config.num_local_experts
     tile = PREFILL_TILE if per_expert > PREFILL_BLOCK_32_TOKENS_PER_EXPERT else attrs.evolve(PREFILL_TILE, block_m=32)
     return _filled_backend(tile, config, num_tokens)
+
+
+SPECIALIZED_TOKENS_PER_EXPERT = (32, 80)
+"""Expected slots an expert at which both GEMMs run warp-specialised (on Hopper): from
+tens of slots (the prefill tiles latency-bound) to as many as one CTA's part of a block
+takes (`SpecializedTile.max_width`; an expert of more takes a second part, decoding its
+weights again). Measured on the H200 (seventy-first session of benchmarks/LOG.md, the
+layer's GEMMs against its tiles): Mixtral M = 256 (64 an expert) 652 against 684 us
+(w4a16), the layer 667 against 718 (NVFP4: GEMMs 706 against 693, layer 718 against
+728); at 128 an expert (Mixtral M = 512) 1.16x slower."""
+SPECIALIZED_EXPERT_WEIGHTS = 8 << 20
+"""Weights an expert (hidden x intermediate) from which it pays: an expert's stages are
+decoded once a part, which gains where an expert's weights are large. Measured on the
+H200 at 64 slots an expert (before the wgmma wait of `gemm_specialized`, which costs
+about 10 %): DeepSeek-V3 (14.7 M) 4.88 against 6.38 ms, Mixtral (58.7 M) 595 against 682
+us, Qwen3-30B-A3B (1.6 M) 360 against 329 us."""
+USE_SPECIALIZED = os.environ.get("NUMBA_MOE_SPECIALIZED", "1") != "0"
+"""NUMBA_MOE_SPECIALIZED=0: never the warp-specialised GEMM (what it buys, side by side)."""
+
+
+def specialized_device() -> bool:
+    """Whether the GPU runs the warp-specialised GEMM: wgmma and bulk copies are sm_90a's."""
+    return interop.kernel_device().type == "cuda" and torch.cuda.get_device_capability() == (9, 0)
+
+
+def specialized_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec) -> Backend | None:
+    """Both GEMMs warp-specialised (alignment blocks of 128, prefill tiles of 128 rows
+    for calls with hooks), where the device, the token count (`SPECIALIZED_TOKENS_PER_EXPERT`),
+    the experts' size (`SPECIALIZED_EXPERT_WEIGHTS`) and the weights allow it (the native
+    layout; not act-order, whose inputs are permuted per expert); else None."""
+    from .weights import permutes_inputs
+
+    low, high = SPECIALIZED_TOKENS_PER_EXPERT
+    if not (USE_SPECIALIZED and low <= num_tokens * config.top_k / config.num_local_experts <= high
+            and config.hidden_size * config.intermediate_size >= SPECIALIZED_EXPERT_WEIGHTS
+            and specialized_device()) or permutes_inputs(config):
+        return None
+    h, i, n1 = config.hidden_size, config.intermediate_size, config.gate_up_size
+    if not all(specialized_supported(spec, n, k, config.dtype) for n, k in ((n1, h), (h, i))):
+        return None
+    tile = SpecializedTile()
+    plain = _filled_backend(attrs.evolve(PREFILL_TILE, block_m=tile.block_m), config, num_tokens)
+    return attrs.evolve(plain, specialized=tile) if runs_on(config, spec, plain) else None
 
 
 def heuristic_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec | None = None) -> Backend:
@@ -267,11 +318,16 @@ def tuned_entries(config: MoEConfig, spec: QuantSpec) -> tuple[str | None, dict]
 
 
 def backend_from_dict(value: dict) -> Backend:
-    return Backend(value["block_m"], GemmTile(**value["gemm1"]), GemmTile(**value["gemm2"]))
+    specialized = value.get("specialized")
+    return Backend(value["block_m"], GemmTile(**value["gemm1"]), GemmTile(**value["gemm2"]),
+                   None if specialized is None else SpecializedTile(**specialized))
 
 
 def backend_to_dict(backend: Backend) -> dict:
-    return attrs.asdict(backend)
+    value = attrs.asdict(backend)
+    if value["specialized"] is None:
+        del value["specialized"]
+    return value
 
 
 TUNED_REACH = 4
@@ -280,13 +336,18 @@ tuner's default counts are powers of 4); beyond, the heuristic, whose decode or 
 regime follows the token count, rather than a table entry from another regime."""
 
 
-def select_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec) -> Backend:
-    """The backend for `num_tokens` tokens through weights stored as `spec`: the tuned
+def select_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec, *, specialized: bool = True) -> Backend:
+    """The backend for `num_tokens` tokens through weights stored as `spec`: the
+    warp-specialised GEMM where `specialized` and `specialized_backend` allow it (it reads
+    routed slots: not the batched layout's, not a call whose hooks see the GEMMs' rows), else the tuned
     entry (`tuned_entries`) for the largest measured token count m <= num_tokens <
     TUNED_REACH * m, else the heuristic; either only if its tiles can read `spec` (a
     layout sharing a tuned spec's name, act-order's K-sorted tiles, may not be staged)."""
     if num_tokens < 1:
         raise ValueError(f"num_tokens must be positive, got {num_tokens}")
+    chosen = specialized_backend(config, num_tokens, spec) if specialized else None
+    if chosen is not None:
+        return chosen
     _, entries = tuned_entries(config, spec)
     measured = [int(m) for m in entries if int(m) <= num_tokens < TUNED_REACH * int(m)]
     if measured:
@@ -302,7 +363,7 @@ def select_batched_backend(config: MoEConfig, tokens_per_expert: int, spec: Quan
     if tokens_per_expert < 1:
         raise ValueError(f"tokens_per_expert must be positive, got {tokens_per_expert}")
     equivalent = -(-tokens_per_expert * config.num_local_experts // config.top_k)
-    return select_backend(config, equivalent, spec)
+    return select_backend(config, equivalent, spec, specialized=False)
 
 
 def token_buckets(max_tokens: int) -> list[int]:

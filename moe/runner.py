@@ -11,7 +11,11 @@
                   it, one kernel fewer: a decode tile in its last CTAs
                   (`numba_kernels.epilogue`), a prefill gemm1 tile in its epilogue
                   (`gemm.paired_activation`); unless a post_gemm hook must see the
-                  GEMM's output first.
+                  GEMM's output first. A warp-specialised backend (Hopper, tens of slots
+                  an expert: `oracle.specialized_backend`) runs instead: the hidden
+                  states gathered into stage blocks, gemm1, the activation into gemm2's
+                  stage blocks, gemm2, combine (`specialized_gemm1`, `specialized_gemm2`);
+                  calls with hooks take the tiles.
 
 `forward` is what both entry points call: it checks the inputs, then either replays the
 launches recorded by an earlier call of the same kind (`replay`: the eager fast path) or
@@ -33,9 +37,11 @@ from numba_kernels.align import moe_align_block_size
 from numba_kernels.combine import combine
 from numba_kernels.epilogue import FusedActivation, FusedCombine
 from numba_kernels.gemm import grouped_gemm
+from numba_kernels.gemm_specialized import specialized_gemm
 from numba_kernels.permute import permute_slots
 from numba_kernels.route_align import route_and_align
 from numba_kernels.routing import LOGIT_DTYPES, route
+from numba_kernels.stage_blocks import activate_blocks, gather_blocks
 
 from .config import MoEConfig, check_config
 from .hooks import GemmStep, MoEHooks
@@ -132,10 +138,12 @@ class Prepared:
     topk_ids: torch.Tensor
 
 
-def prepare(config: MoEConfig, weights: ExpertWeights, workspace: Workspace, inputs: Inputs) -> Prepared:
-    """Pick the backend, route and align (see the module docstring)."""
+def prepare(config: MoEConfig, weights: ExpertWeights, workspace: Workspace, inputs: Inputs, *,
+            hooked: bool = False) -> Prepared:
+    """Pick the backend, route and align (see the module docstring). `hooked`: hooks will
+    see the GEMMs' inputs and outputs slot by slot, so not the warp-specialised GEMM."""
     tokens = inputs.hidden_states.shape[0]
-    backend = select_backend(config, tokens, weights.spec)
+    backend = select_backend(config, tokens, weights.spec, specialized=not hooked)
     buffers = workspace.buffers(tokens, backend)
     topk = (buffers.topk_weights, buffers.topk_ids)
     alignment = (buffers.sorted_token_ids, buffers.expert_ids, buffers.num_tokens_post_padded)
@@ -172,10 +180,35 @@ def gemm_input(act: torch.Tensor, weights: ExpertWeights, stored, out: torch.Ten
     return permute_slots(act, stored.k_order, *alignment, num_slots=slots, block_m=block_m, out=out, check_ids=False)
 
 
+def specialized_gemm1(prepared: Prepared, weights: ExpertWeights) -> None:
+    """gemm1 of a warp-specialised backend, then the activation: the hidden states
+    gathered into stage blocks, gemm1 into its blocked output, its activation into gemm2's
+    stage blocks (`numba_kernels.stage_blocks`)."""
+    config, buffers, tile = prepared.config, prepared.buffers, prepared.backend.specialized
+    alignment = (buffers.sorted_token_ids, buffers.expert_ids, buffers.num_tokens_post_padded)
+    gather_blocks(prepared.hidden_states, alignment, prepared.topk_ids.numel(), config.top_k, tile, buffers.picks,
+                  buffers.stage_blocks)
+    specialized_gemm(buffers.stage_blocks, weights.w13, buffers.picks, buffers.expert_ids, buffers.sorted_token_ids,
+                     buffers.gemm1_out, tile, blocked=True)
+    activate_blocks(buffers.gemm1_out, config.activation, tile, buffers.picks, buffers.stage_blocks)
+
+
+def specialized_gemm2(prepared: Prepared, weights: ExpertWeights) -> None:
+    """gemm2 of a warp-specialised backend: a row a slot (and the padding's spare row)."""
+    buffers, tile = prepared.buffers, prepared.backend.specialized
+    specialized_gemm(buffers.stage_blocks, weights.w2, buffers.picks, buffers.expert_ids, buffers.sorted_token_ids,
+                     buffers.gemm2_out, tile, blocked=False)
+
+
 def run(prepared: Prepared, weights: ExpertWeights, hooks: MoEHooks | None = None) -> torch.Tensor:
     """gemm1 -> activation -> gemm2 -> combine into the workspace's output (M, H)."""
-    hooks = _NO_HOOKS if hooks is None else hooks
     config, backend, buffers = prepared.config, prepared.backend, prepared.buffers
+    if backend.specialized is not None:  # never with hooks (`prepare`)
+        specialized_gemm1(prepared, weights)
+        specialized_gemm2(prepared, weights)
+        combine(buffers.gemm2_out[:-1], prepared.topk_weights, out=buffers.output)
+        return buffers.output
+    hooks = _NO_HOOKS if hooks is None else hooks
     slots = prepared.topk_ids.numel()
     alignment = (buffers.sorted_token_ids, buffers.expert_ids, buffers.num_tokens_post_padded)
 
@@ -214,7 +247,7 @@ def forward(config: MoEConfig, weights: ExpertWeights, workspace: Workspace, hid
             raise TypeError(f"hooks (fused_moe's lora) must be MoEHooks, e.g. LoRAHooks(config, adapters, max_tokens), "
                             f"got {type(hooks).__name__}")
         hooks.check(config)
-        return run(prepare(config, weights, workspace, inputs), weights, hooks)
+        return run(prepare(config, weights, workspace, inputs, hooked=True), weights, hooks)
 
     def sequence(tensors):
         return run(prepare(config, weights, workspace, Inputs(*tensors)), weights)

@@ -146,7 +146,7 @@ def refine_candidates(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTi
     to re-check saved entries after a kernel or an option changes (or on another GPU).
     Then the tiles the tables hold at this count for the shape's other formats
     (`other_format_tiles`); the heuristic's tile comes last (`heuristic_tiles`)."""
-    backend = select_backend(config, num_tokens, kernel_spec(config))
+    backend = select_backend(config, num_tokens, kernel_spec(config), specialized=False)
     tiles = []
     for tile, tile_k, first in ((backend.gemm1, config.hidden_size, True), (backend.gemm2, config.intermediate_size, False)):
         if tile_k == k:

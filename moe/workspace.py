@@ -18,6 +18,7 @@ from numba_kernels import interop
 from numba_kernels.align import align_sizes
 from numba_kernels.epilogue import arrivals_needed
 from numba_kernels.gemm import GemmTile
+from numba_kernels.gemm_specialized import STEP_K
 
 from .config import MoEConfig, check_config
 from .oracle import (Backend, fused_activation_kind, fused_combine_kind, select_backend, token_buckets,
@@ -46,6 +47,12 @@ class CallBuffers:
     arrivals: torch.Tensor  # int32 zeros: the fused reductions' counters (numba_kernels.epilogue)
     gemm1_in: torch.Tensor | None = None  # (slots, H) half: act-order inputs permuted (numba_kernels.permute)
     gemm2_in: torch.Tensor | None = None  # (slots, I) half, on the same memory (used after gemm1_in)
+    # A warp-specialised backend's (`Backend.specialized`; gemm1_out is then (blocks x
+    # block_m, 2I) half, a row a slot of each block, gemm2_out (slots + 1, H) half, the
+    # last row the padding's): its blocks' parts' width indices, and the stage blocks of gemm1's
+    # input, then of gemm2's (numba_kernels.stage_blocks), int32.
+    picks: torch.Tensor | None = None
+    stage_blocks: torch.Tensor | None = None
 
 
 def starts_within(tensor: torch.Tensor, buffers) -> bool:
@@ -64,7 +71,23 @@ def gemm_view(buffer: torch.Tensor, tile: GemmTile, slots: int, width: int, half
     (`oracle.writes_partials`), or (slots, width) half values."""
     if writes_partials(tile):
         return buffer[:tile.split_k * slots * width].view(tile.split_k, slots, width)
-    return buffer.view(half)[:slots * width].view(slots, width)
+    return half_rows(buffer, slots, width, half)
+
+
+def specialized_elements(config: MoEConfig, backend: Backend, slots: int, blocks: int) -> tuple[int, int, int]:
+    """float32 elements of gemm1's and gemm2's outputs, and int32 words of the stage
+    blocks, for a warp-specialised backend (`CallBuffers`); zeros for another."""
+    tile = backend.specialized
+    if tile is None:
+        return 0, 0, 0
+    steps = max(config.hidden_size, config.intermediate_size) // STEP_K
+    return (-(-blocks * tile.block_m * config.gate_up_size // 2), -(-(slots + 1) * config.hidden_size // 2),
+            blocks * tile.sub_blocks * steps * tile.block_words())
+
+
+def half_rows(buffer: torch.Tensor, rows: int, width: int, half: torch.dtype) -> torch.Tensor:
+    """(rows, width) half values at the start of a float32 buffer."""
+    return buffer.view(half)[:rows * width].view(rows, width)
 
 
 def permuted_buffer(config: MoEConfig, slots: int) -> torch.Tensor | None:
@@ -118,12 +141,17 @@ class Workspace:
 
     def _allocate(self, max_tokens: int) -> None:
         config = self.config
-        backends = [select_backend(config, m, self.spec) for m in token_buckets(max_tokens)]
+        backends = [select_backend(config, m, self.spec, specialized=specialized)  # hooked calls take plain tiles
+                    for m in token_buckets(max_tokens) for specialized in (True, False)]
         slots = max_tokens * config.top_k
         sizes = [align_sizes(slots, config.num_experts, b.block_m) for b in backends]
         half = getattr(torch, config.dtype)
-        gemm1 = max(gemm_out_elements(b.gemm1, slots, config.gate_up_size) for b in backends)
-        gemm2 = max(gemm_out_elements(b.gemm2, slots, config.hidden_size) for b in backends)
+        specialized = [specialized_elements(config, b, slots, s[1]) for b, s in zip(backends, sizes)]
+        gemm1 = max(max(gemm_out_elements(b.gemm1, slots, config.gate_up_size) for b in backends),
+                    *(e[0] for e in specialized))
+        gemm2 = max(max(gemm_out_elements(b.gemm2, slots, config.hidden_size) for b in backends),
+                    *(e[1] for e in specialized))
+        stage_words = max(e[2] for e in specialized)
         arrivals = max(arrivals_elements(config, b, s[1], max_tokens) for b, s in zip(backends, sizes))
         device = interop.kernel_device()
         self.max_tokens = max_tokens
@@ -138,6 +166,11 @@ class Workspace:
         self._output = torch.empty((max_tokens, config.hidden_size), dtype=half, device=device)
         self._arrivals = torch.zeros(arrivals, dtype=torch.int32, device=device)
         self._permuted = permuted_buffer(config, slots)
+        self._picks = self._stage_blocks = None
+        if stage_words:
+            parts = max(s[1] * b.specialized.sub_blocks for b, s in zip(backends, sizes) if b.specialized)
+            self._picks = torch.empty(parts, dtype=torch.int32, device=device)
+            self._stage_blocks = torch.empty(stage_words, dtype=torch.int32, device=device)
         self.programs = ProgramCache()  # recorded forwards (see replay); they point into these buffers
 
     def grow(self, max_tokens: int) -> None:
@@ -148,7 +181,8 @@ class Workspace:
 
     def _tensors(self) -> tuple[torch.Tensor, ...]:
         return (self._topk_weights, self._topk_ids, self._sorted_ids, self._expert_ids, self._num_post_padded,
-                self._gemm1, self._intermediate, self._gemm2, self._output, self._arrivals, self._permuted)
+                self._gemm1, self._intermediate, self._gemm2, self._output, self._arrivals, self._permuted,
+                self._picks, self._stage_blocks)
 
     @property
     def nbytes(self) -> int:
@@ -170,14 +204,17 @@ class Workspace:
         slots = num_tokens * config.top_k
         padded, blocks = align_sizes(slots, config.num_experts, backend.block_m)
         half = getattr(torch, config.dtype)
+        if backend.specialized is None:
+            outputs = dict(gemm1_out=gemm_view(self._gemm1, backend.gemm1, slots, config.gate_up_size, half),
+                           gemm2_out=gemm_view(self._gemm2, backend.gemm2, slots, config.hidden_size, half),
+                           **permuted_views(self._permuted, config, slots))
+        else:
+            outputs = dict(gemm1_out=half_rows(self._gemm1, blocks * backend.block_m, config.gate_up_size, half),
+                           gemm2_out=half_rows(self._gemm2, slots + 1, config.hidden_size, half),
+                           picks=self._picks[:blocks * backend.specialized.sub_blocks],
+                           stage_blocks=self._stage_blocks)
         return CallBuffers(
             topk_weights=self._topk_weights[:num_tokens], topk_ids=self._topk_ids[:num_tokens],
             sorted_token_ids=self._sorted_ids[:padded], expert_ids=self._expert_ids[:blocks],
-            num_tokens_post_padded=self._num_post_padded,
-            gemm1_out=gemm_view(self._gemm1, backend.gemm1, slots, config.gate_up_size, half),
-            intermediate=self._intermediate[:slots],
-            gemm2_out=gemm_view(self._gemm2, backend.gemm2, slots, config.hidden_size, half),
-            output=self._output[:num_tokens],
-            arrivals=self._arrivals,
-            **permuted_views(self._permuted, config, slots),
-        )
+            num_tokens_post_padded=self._num_post_padded, intermediate=self._intermediate[:slots],
+            output=self._output[:num_tokens], arrivals=self._arrivals, **outputs)

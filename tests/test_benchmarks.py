@@ -92,7 +92,7 @@ def test_bench_rows_are_listed_in_the_tables_order_and_printed(monkeypatch, caps
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 @pytest.mark.parametrize("name,argv", [("bench_moe", ["--shapes", "qwen3", "--tokens", "1"]),
                                        ("compare_trees", ["--trees", "a=.", "--jobs", "qwen3:nvfp4:1"]),
-                                       ("specialized_bound", [])])
+                                       ("specialized_ab", [])])
 def test_a_timing_script_without_a_gpu_says_it_needs_one(name, argv, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     try:
@@ -130,60 +130,3 @@ def test_replay_stress_says_where_outputs_differ_and_changes_the_oracles_tiles(m
         sys.modules.pop("replay_stress", None)
 
 
-def test_specialized_bound_variants_name_chunks_stages_and_what_they_leave_out(monkeypatch):
-    import argparse
-
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    try:
-        bound = importlib.import_module("specialized_bound")
-        assert bound.variant("4:3") == (4, 3, "") and bound.variant("2:5:act") == (2, 5, "act")
-        for text in ("4", "4:3:epilogue", "4:3:act:x", "a:3"):
-            with pytest.raises(argparse.ArgumentTypeError, match="chunks:stages"):
-                bound.variant(text)
-        spec = bound.SPECS["w4a16-g128"]
-        with pytest.raises(ValueError, match="leave_out"):
-            bound.make_bound_kernel(spec, 512, 4096, (64,), 2, 3, "epilogue")
-        with pytest.raises(ValueError, match="bulk-copied stages"):
-            bound.make_bound_kernel(spec, 512, 4096 + 16, (64,), 2, 3)  # K not in whole stages
-        with pytest.raises(ValueError, match="widths multiples of 8"):
-            bound.make_bound_kernel(spec, 512, 4096, (60,), 2, 3)
-        assert bound.widths_for([0, 5, 8, 64, 61, 9]) == (8, 16, 64)
-        assert bound.image_copies_arg("tensors") == "tensors" and bound.image_copies_arg("5") == 5
-        assert bound.image_copies_arg("split") == "split"
-        with pytest.raises(argparse.ArgumentTypeError, match="count of copies"):
-            bound.image_copies_arg("-1")
-        with pytest.raises(ValueError, match="positive integer, 'tensors' or 'split'"):
-            bound.image_bounds(spec, 512, 4096, 2, -1)
-        stage = bound.image_bounds(spec, 512, 4096, 2, 1)[-1]  # two chunks' 4 slabs of codes, then their scales
-        assert bound.image_bounds(spec, 512, 4096, 2, "tensors") == (0, 4 * 2 * 128, stage)
-        assert bound.image_bounds(spec, 512, 4096, 2, "split") == (0, 4 * 2 * 128, stage)
-        assert bound.image_bounds(spec, 512, 4096, 2, 3) == (0, 4 * (stage // 12), 4 * (2 * stage // 12), stage)
-    finally:
-        sys.modules.pop("specialized_bound", None)
-
-
-@pytest.mark.parametrize("spec_name, image_copies, steps_first", [
-    ("w4a16-g128", 0, False), ("nvfp4", 0, False), ("zero points", 0, False), ("zero points", 1, False),
-    ("nvfp4", 3, False), ("zero points", "tensors", False), ("w4a16-g128", 1, True), ("zero points", "split", True)])
-def test_specialized_bound_computes_the_grouped_product_it_times(spec_name, image_copies, steps_first, monkeypatch):
-    """The warp-specialised bound (bulk copies of each stage on mbarriers, producer warps
-    decoding the native layout with the GEMM's reader into wgmma's A tiles, a consumer
-    warpgroup's wgmma at the width its expert's slots need, named barriers) gives act @
-    the spec's dequantised weights for each expert's slots: under the simulator at a
-    shape of six CTAs (three experts of 5, 16 and no slots, two feature tiles) whose 4
-    stages go round a 2-stage ring twice (on the GPU the script checks itself at a larger
-    one before it times). `image_copies` not 0: each stage's weights from their stage
-    image (the weights staged by `copy_bulk` and written back stage by stage, a CTA's
-    stages or `steps_first` a step's tiles one after another), in that many copies a
-    stage or a copy a tensor (from two tensors: "split")."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    try:
-        from layouts import formats
-
-        bound = importlib.import_module("specialized_bound")
-        spec = bound.SPECS.get(spec_name) or formats.native(4, 64, zero_points=True)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        assert bound.bound_error(spec, [5, 16, 0], 256, 256, 2, 2, device, image_copies=image_copies,
-                                 steps_first=steps_first) < 1e-5
-    finally:
-        sys.modules.pop("specialized_bound", None)

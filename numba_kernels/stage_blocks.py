@@ -1,0 +1,147 @@
+"""Stage blocks: each alignment block's activations stored stage by stage, in the order the
+warp-specialised GEMM's wgmma reads them (`gemm_specialized`), so that one bulk copy fills
+a stage of a block.
+
+A block of the alignment holds up to block_m slots of one expert, in parts of up to
+`SpecializedTile.max_width` slots (a CTA of the GEMM each); a part's *width* is its count
+rounded up to the tile's width step (wgmma's N). A stage (64 of K) of a part at width w
+is 8 w pieces of 16 bytes: for each slab of 16 of K, each 8 slots, each half of the
+slab's K, 8 slots x 8 halves (wgmma's K-major core matrices). Stages sit part by part,
+step by step, `SpecializedTile.block_words()` apart; slots from the count to w are zeros,
+so the GEMM's extra columns compute zeros.
+
+* `gather_blocks`: gemm1's input, the hidden state of each slot's token, gathered; it
+  also writes each part's width index (`picks`, -1 for a part without slots), which
+  both GEMMs and `activate_blocks` read;
+* `activate_blocks`: gemm2's input, the activation of gemm1's output (blocked: a row a
+  slot of each block), computed as `activation.activate` computes it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from numba import cuda, int32, uint32
+
+from . import interop, ptx
+from .activation import Activation, _pointwise
+from .gemm_specialized import STEP_K, SpecializedTile
+from .launch import launch_kernel
+
+
+@ptx.device
+def piece_of(p, width):
+    """(slot, K within the stage) of the 16-byte piece `p` of a stage at `width`."""
+    groups = width // uint32(8)
+    rest = p // uint32(16)
+    return (rest % groups) * uint32(8) + p % uint32(8), (rest // groups) * uint32(16) + (p // uint32(8)) % uint32(2) * uint32(8)
+
+
+@functools.cache
+def make_gather_kernel(tile: SpecializedTile, k: int, divisor: int):
+    """kernel(source, rows, expert_ids, num_post_padded, num_slots, picks, blocks), grid
+    (blocks x tile.sub_blocks, k / 64), block_m threads: `source` (tokens, k / 2) int32
+    words of halves, slot id s reading row s // divisor."""
+    block_m, max_width, sub_blocks = tile.block_m, tile.max_width, tile.sub_blocks
+    step, steps, block_words = tile.width_step, k // STEP_K, tile.block_words()
+
+    @ptx.kernel
+    def gather(source, rows, expert_ids, num_post_padded, num_slots, picks, blocks):
+        part, stage, t = uint32(cuda.blockIdx.x), uint32(cuda.blockIdx.y), uint32(cuda.threadIdx.x)
+        block, skipped = part // uint32(sub_blocks), part % uint32(sub_blocks) * uint32(max_width)
+        ids = cuda.shared.array(block_m, uint32)
+        first = block * uint32(block_m)
+        slot = uint32(num_slots)
+        if first < uint32(num_post_padded[0]) and expert_ids[block] >= 0:
+            slot = uint32(rows[first + t])
+        ids[t] = slot
+        count = uint32(cuda.syncthreads_count(int32(slot < uint32(num_slots))))  # the block's, then the part's
+        count = min(count - min(count, skipped), uint32(max_width))
+        pick = int32((count + uint32(step - 1)) // uint32(step)) - 1
+        if stage == uint32(0) and t == uint32(0):
+            picks[part] = pick
+        width = uint32(pick + 1) * uint32(step)
+        base = (part * uint32(steps) + stage) * uint32(block_words)
+        for p in range(t, uint32(8) * width, uint32(block_m)):
+            s, kk = piece_of(uint32(p), width)
+            at = base + uint32(4) * uint32(p)
+            if s < count:
+                row, word = ids[skipped + s] // uint32(divisor), (stage * uint32(STEP_K) + kk) // uint32(2)
+                for i in range(4):
+                    blocks[at + uint32(i)] = source[row, word + uint32(i)]
+            else:
+                for i in range(4):
+                    blocks[at + uint32(i)] = int32(0)
+
+    return gather
+
+
+@functools.cache
+def make_activate_kernel(tile: SpecializedTile, width_in: int, activation: Activation, half: str):
+    """kernel(gate_up, picks, blocks), grid (blocks x tile.sub_blocks, I / 64), block_m
+    threads: `gate_up` (blocks x block_m, width_in / 2) int32 words of gemm1's halves."""
+    block_m, max_width, sub_blocks = tile.block_m, tile.max_width, tile.sub_blocks
+    step, block_words = tile.width_step, tile.block_words()
+    intermediate = activation.output_width(width_in)
+    steps = intermediate // STEP_K
+    apply, to_f32, pack2 = _pointwise(activation), ptx.half_to_f32(half), ptx.pack2(half)
+    gated, interleaved = activation.gated, activation.interleaved
+
+    @ptx.device
+    def halves(word):
+        return to_f32(word), to_f32(uint32(word) >> uint32(16))
+
+    @ptx.device
+    def output_pair(gate_up, row, feature):
+        """The activation of features `feature` and + 1 (even) of one row, as a word."""
+        if interleaved:  # a word a feature: (gate, up)
+            gate0, up0 = halves(gate_up[row, feature])
+            gate1, up1 = halves(gate_up[row, feature + uint32(1)])
+        else:
+            gate0, gate1 = halves(gate_up[row, feature // uint32(2)])
+            up0, up1 = gate0, gate1
+            if gated:
+                up0, up1 = halves(gate_up[row, uint32(intermediate // 2) + feature // uint32(2)])
+        return int32(pack2(apply(gate0, up0), apply(gate1, up1)))
+
+    @ptx.kernel
+    def activate(gate_up, picks, blocks):
+        part, stage, t = uint32(cuda.blockIdx.x), uint32(cuda.blockIdx.y), uint32(cuda.threadIdx.x)
+        pick = picks[part]
+        if pick < 0:
+            return
+        width = uint32(pick + 1) * uint32(step)
+        first_row = part // uint32(sub_blocks) * uint32(block_m) + part % uint32(sub_blocks) * uint32(max_width)
+        base = (part * uint32(steps) + stage) * uint32(block_words)
+        for p in range(t, uint32(8) * width, uint32(block_m)):
+            s, kk = piece_of(uint32(p), width)
+            row, feature = first_row + s, stage * uint32(STEP_K) + kk
+            for i in range(4):
+                blocks[base + uint32(4) * uint32(p) + uint32(i)] = output_pair(gate_up, row, feature + uint32(2 * i))
+
+    return activate
+
+
+def gather_blocks(source: torch.Tensor, alignment: tuple, num_slots: int, divisor: int, tile: SpecializedTile,
+                  picks: torch.Tensor, blocks: torch.Tensor) -> None:
+    """Stage blocks of `source` (tokens, K) halves for the alignment (sorted_token_ids,
+    expert_ids, num_tokens_post_padded) into `blocks` (int32), slot s reading row s //
+    divisor, and each part's width index into `picks` (int32, `tile.sub_blocks` a block
+    of the alignment's expert_ids). Callers check the tensors (`moe.runner`)."""
+    sorted_ids, expert_ids, post_padded = alignment
+    k = source.shape[1]
+    kernel = make_gather_kernel(tile, k, divisor)
+    launch_kernel(kernel, (picks.shape[0], k // STEP_K), tile.block_m, interop.to_kernel(source.view(torch.int32)),
+                  interop.to_kernel(sorted_ids), interop.to_kernel(expert_ids), interop.to_kernel(post_padded),
+                  num_slots, interop.to_kernel(picks), interop.to_kernel(blocks))
+
+
+def activate_blocks(gate_up: torch.Tensor, activation: Activation, tile: SpecializedTile, picks: torch.Tensor,
+                    blocks: torch.Tensor) -> None:
+    """Stage blocks of activation(gate_up) for gemm2: `gate_up` gemm1's blocked output
+    (blocks x block_m, 2I) halves, `picks` as `gather_blocks` wrote them."""
+    width_in = gate_up.shape[1]
+    kernel = make_activate_kernel(tile, width_in, activation, interop.HALF_NAMES[gate_up.dtype])
+    launch_kernel(kernel, (picks.shape[0], activation.output_width(width_in) // STEP_K), tile.block_m,
+                  interop.to_kernel(gate_up.view(torch.int32)), interop.to_kernel(picks), interop.to_kernel(blocks))

@@ -1,0 +1,164 @@
+"""The warp-specialised GEMM (`numba_kernels.gemm_specialized`) and its stage blocks, under
+the simulator: gather -> gemm1 (blocked rows) -> activation into stage blocks -> gemm2
+(a row a slot) equal the spec's dequantised product for blocks of several widths; the
+layer takes it where the oracle says (Hopper, tens of slots an expert), replays it, and
+keeps the tiles for hooked calls; bad configurations fail by name."""
+
+import attrs
+import numpy as np
+import pytest
+import torch
+from fusing import SeparateReductions
+
+import moe.oracle
+from layouts import formats
+from layouts.samples import random_quantized
+from moe import MoEConfig, MoELayer, QuantScheme
+from moe.oracle import Backend, backend_from_dict, backend_to_dict, select_backend, select_batched_backend
+from moe.reference import random_checkpoint, reference_moe
+from moe.weights import kernel_spec
+from numba_kernels import interop
+from numba_kernels.activation import Activation
+from numba_kernels.align import moe_align_block_size
+from numba_kernels.gemm_specialized import (SpecializedTile, make_specialized_kernel, specialized_gemm,
+                                            specialized_supported)
+from numba_kernels.stage_blocks import activate_blocks, gather_blocks
+from numba_kernels.weights import KernelWeights
+
+DEVICE = interop.kernel_device()
+# Blocks of 32 slots in two parts of up to 16 (widths 8 and 16); K = 256 goes round the ring twice.
+TILE = SpecializedTile(block_m=32, max_width=16, width_step=8, stages=2)
+
+
+def _weights(spec, shape, rng):
+    physical = spec.pack(random_quantized(spec, shape, rng))
+    dense = torch.from_numpy(spec.dequantize(physical, shape)).to(torch.bfloat16).double()
+    weights = KernelWeights.from_physical(spec, physical, shape)
+    return KernelWeights(spec, shape, tuple(None if t is None else t.to(DEVICE) for t in weights.tensors)), dense
+
+
+@pytest.mark.parametrize("spec", [formats.native(4, 64, zero_points=True), formats.native(fp4=True)],
+                         ids=["int4 zero points", "nvfp4"])
+def test_gather_gemm_activation_gemm_give_the_specs_product(spec):
+    """Three experts of 20, 4 and no slots (parts of 16 and 4 slots, of 4, none: widths
+    16, 8, 8): gemm1's blocked rows are
+    hidden @ w13 rounded to halves, gemm2's row of each slot act(gate) * up @ w2, and the
+    padding's sentinel row is the only other row gemm2 writes."""
+    rng = np.random.default_rng(0)
+    experts, hidden_size, intermediate, top_k = 3, 256, 128, 2
+    w13, dense13 = _weights(spec, (experts, 2 * intermediate, hidden_size), rng)
+    w2, dense2 = _weights(spec, (experts, hidden_size, intermediate), rng)
+    ids = torch.tensor([[0, 1]] * 4 + [[0, 0]] * 8, dtype=torch.int32)  # expert 0: 20 slots, expert 1: 4
+    tokens, slots = ids.shape[0], ids.numel()
+    hidden = torch.randn(tokens, hidden_size, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    alignment = tuple(t.to(DEVICE) for t in moe_align_block_size(ids, TILE.block_m, experts))
+    blocks = alignment[1].shape[0]
+    picks = torch.full((blocks * TILE.sub_blocks,), 7, dtype=torch.int32, device=DEVICE)
+    stage = torch.full((picks.numel() * (hidden_size // 64) * TILE.block_words(),), -1, dtype=torch.int32,
+                       device=DEVICE)
+    gate_up = torch.full((blocks * TILE.block_m, 2 * intermediate), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    out = torch.full((slots + 1, hidden_size), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+
+    gather_blocks(hidden.to(DEVICE), alignment, slots, top_k, TILE, picks, stage)
+    assert picks.cpu().tolist()[:4] == [1, 0, 0, -1] and all(p == -1 for p in picks.cpu().tolist()[4:])
+    specialized_gemm(stage, w13, picks, alignment[1], alignment[0], gate_up, TILE, blocked=True)
+    activation = Activation("silu")
+    activate_blocks(gate_up, activation, TILE, picks, stage)
+    specialized_gemm(stage, w2, picks, alignment[1], alignment[0], out, TILE, blocked=False)
+
+    sorted_ids = alignment[0].cpu().tolist()
+    for position, slot in enumerate(sorted_ids[:2 * TILE.block_m]):
+        if slot >= slots:
+            continue
+        expert, token = int(ids.flatten()[slot]), slot // top_k
+        expected1 = (hidden[token].double() @ dense13[expert].T).to(torch.bfloat16).double()
+        got1 = gate_up[position].cpu().double()
+        assert torch.allclose(got1, expected1, rtol=1e-2, atol=1e-2 * float(expected1.abs().max()))
+        y = (torch.nn.functional.silu(expected1[:intermediate]) * expected1[intermediate:]).to(torch.bfloat16)
+        expected2 = y.double() @ dense2[expert].T
+        got2 = out[slot].cpu().double()
+        assert torch.allclose(got2, expected2, rtol=2e-2, atol=2e-2 * float(expected2.abs().max())), slot
+    assert not out[:slots].isnan().any()
+
+
+def _tiny_config(quant=QuantScheme("gptq", bits=4, group_size=64), **fields):
+    return MoEConfig(**{**dict(num_experts=2, top_k=2, hidden_size=128, intermediate_size=128), **fields}, quant=quant)
+
+
+def _as_on_hopper(monkeypatch):
+    """The oracle as on an H100 / H200, taking experts of any size."""
+    monkeypatch.setattr(moe.oracle, "specialized_device", lambda: True)
+    monkeypatch.setattr(moe.oracle, "SPECIALIZED_EXPERT_WEIGHTS", 0)
+
+
+def test_layer_takes_the_warp_specialised_gemm_on_hopper_and_replays_it(monkeypatch):
+    """36 tokens over two experts (36 slots an expert): on sm_90 the oracle takes the
+    warp-specialised GEMM, the layer equals its float64 definition, a replay with new
+    inputs too, and a call with hooks takes the tiles (they see slot-ordered outputs)."""
+    _as_on_hopper(monkeypatch)
+    config = _tiny_config()
+    assert select_backend(config, 36, kernel_spec(config)).specialized == SpecializedTile()
+    checkpoint = random_checkpoint(config, np.random.default_rng(0))
+    layer = MoELayer(config, max_tokens=36)
+    layer.load_weights(checkpoint.w1, checkpoint.w2, checkpoint.w3)
+    rng = np.random.default_rng(1)
+    for _ in range(2):  # recorded, then replayed on new inputs
+        hidden = torch.from_numpy(rng.standard_normal((36, 128))).to(torch.bfloat16)
+        logits = torch.from_numpy(rng.standard_normal((36, 2)).astype(np.float32))
+        expected = reference_moe(config, hidden.float().numpy(), checkpoint.dense_w13, checkpoint.dense_w2,
+                                 router_logits=logits.numpy())
+        out = layer(hidden.to(DEVICE), logits.to(DEVICE)).float().cpu().numpy()
+        assert np.linalg.norm(out - expected) / np.linalg.norm(expected) < 2e-2
+    layer.hooks = SeparateReductions()
+    hooked = layer(hidden.to(DEVICE), logits.to(DEVICE)).float().cpu().numpy()
+    assert np.linalg.norm(hooked - out) / np.linalg.norm(out) < 2e-2
+
+
+def test_oracle_takes_it_only_where_device_slots_and_weights_allow(monkeypatch):
+    config = _tiny_config()
+    spec = kernel_spec(config)
+    assert select_backend(config, 36, spec).specialized is None  # the simulator is no Hopper
+    monkeypatch.setattr(moe.oracle, "specialized_device", lambda: True)
+    assert select_backend(config, 36, spec).specialized is None  # experts too small to pay
+    mixtral = MoEConfig(num_experts=8, top_k=2, hidden_size=4096, intermediate_size=14336,
+                        quant=QuantScheme("gptq", bits=4, group_size=128))
+    assert moe.oracle.specialized_backend(mixtral, 256, kernel_spec(mixtral)) is not None
+    _as_on_hopper(monkeypatch)
+    low, high = moe.oracle.SPECIALIZED_TOKENS_PER_EXPERT
+    assert select_backend(config, int(low), spec).specialized is not None
+    assert select_backend(config, int(low) - 1, spec).specialized is None  # too few slots an expert
+    assert select_backend(config, int(high) + 1, spec).specialized is None  # more than a block holds
+    assert select_backend(config, 36, spec, specialized=False).specialized is None
+    assert select_batched_backend(config, 36, spec).specialized is None  # the batched layout reads no routing
+    act_order = _tiny_config(QuantScheme("gptq", bits=4, group_size=64, act_order=True))
+    assert select_backend(act_order, 36, kernel_spec(act_order)).specialized is None  # inputs permuted per expert
+    assert moe.oracle.specialized_backend(config, 36, formats.marlin(4, 64)) is None  # not the native layout
+    odd = _tiny_config(hidden_size=192)  # w2's 192 features: not whole panels of 128
+    assert select_backend(odd, 36, kernel_spec(odd)).specialized is None
+    monkeypatch.setattr(moe.oracle, "USE_SPECIALIZED", False)
+    assert select_backend(config, 36, spec).specialized is None
+
+
+def test_backends_round_trip_through_the_tuned_tables_format():
+    tile = moe.oracle.PREFILL_TILE
+    plain = Backend(64, tile, tile)
+    assert "specialized" not in backend_to_dict(plain) and backend_from_dict(backend_to_dict(plain)) == plain
+    wide = attrs.evolve(tile, block_m=128)
+    specialized = Backend(128, wide, wide, SpecializedTile())
+    assert backend_from_dict(backend_to_dict(specialized)) == specialized
+    with pytest.raises(ValueError, match="alignment block size"):
+        Backend(64, tile, tile, SpecializedTile())
+
+
+def test_bad_configurations_fail_by_name():
+    for fields in (dict(width_step=12), dict(block_m=256), dict(block_m=64), dict(max_width=72), dict(stages=1)):
+        with pytest.raises(ValueError, match="width_step must be a multiple of 8"):
+            SpecializedTile(**fields)
+    assert SpecializedTile().widths == (16, 32, 48, 64, 80) and SpecializedTile().sub_blocks == 2
+    spec = formats.native(4, 128)
+    assert specialized_supported(spec, 256, 4096, "bfloat16")
+    for n, k in ((256, 4096 + 16), (192, 4096)):  # K in whole stages of 64, N in whole panels of 128
+        assert not specialized_supported(spec, n, k, "bfloat16")
+        with pytest.raises(ValueError, match="cannot run on the warp-specialised GEMM"):
+            make_specialized_kernel(spec, n, k, "bfloat16", SpecializedTile(), True)
+    assert not specialized_supported(formats.marlin(4, 128), 256, 4096, "bfloat16")
