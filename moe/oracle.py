@@ -70,6 +70,7 @@ from numba_kernels.gemm_specialized import SpecializedTile, specialized_supporte
 from numba_kernels.route_align import max_lanes
 
 from .config import MoEConfig
+from .weights import permutes_inputs
 
 TUNED_DIR = Path(__file__).parent / "tuned"
 """Tuned tables, a directory per architecture: `sm_90/NVIDIA_H200.json`."""
@@ -89,8 +90,9 @@ lanes, 14.4 us against 5.0 + 6.9 us; Mixtral M = 16, one pass, 6.6 against 4.4 +
 class Backend:
     """The oracle's choice for one call shape: the alignment block size and the tiles of
     the two grouped GEMMs (gemm1: hidden -> gate/up, gemm2: intermediate -> hidden).
-    `specialized`: both GEMMs run warp-specialised instead (`numba_kernels.gemm_specialized`),
-    the tiles serving only calls whose hooks must see the GEMMs' outputs slot by slot."""
+    `specialized`: both GEMMs run warp-specialised instead (`numba_kernels.gemm_specialized`);
+    gemm1 and gemm2 then name prefill tiles of its block size, which no call runs (a call
+    whose hooks see the GEMMs' rows takes `select_backend(..., specialized=False)`'s)."""
 
     block_m: int
     gemm1: GemmTile
@@ -200,18 +202,22 @@ USE_SPECIALIZED = os.environ.get("NUMBA_MOE_SPECIALIZED", "1") != "0"
 """NUMBA_MOE_SPECIALIZED=0: never the warp-specialised GEMM (what it buys, side by side)."""
 
 
+def specialized_slots(config: MoEConfig, max_tokens: int) -> int:
+    """The most slots of a call of up to `max_tokens` tokens that `specialized_backend`
+    may take (what the workspace sizes its buffers for)."""
+    return min(max_tokens * config.top_k, int(SPECIALIZED_TOKENS_PER_EXPERT[1] * config.num_local_experts))
+
+
 def specialized_device() -> bool:
     """Whether the GPU runs the warp-specialised GEMM: wgmma and bulk copies are sm_90a's."""
     return interop.kernel_device().type == "cuda" and torch.cuda.get_device_capability() == (9, 0)
 
 
 def specialized_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec) -> Backend | None:
-    """Both GEMMs warp-specialised (alignment blocks of 128, prefill tiles of 128 rows
-    for calls with hooks), where the device, the token count (`SPECIALIZED_TOKENS_PER_EXPERT`),
-    the experts' size (`SPECIALIZED_EXPERT_WEIGHTS`) and the weights allow it (the native
-    layout; not act-order, whose inputs are permuted per expert); else None."""
-    from .weights import permutes_inputs
-
+    """Both GEMMs warp-specialised (alignment blocks of 128), where the device, the token
+    count (`SPECIALIZED_TOKENS_PER_EXPERT`), the experts' size (`SPECIALIZED_EXPERT_WEIGHTS`)
+    and the weights allow it (the native layout; not act-order, whose inputs are permuted
+    per expert); else None."""
     low, high = SPECIALIZED_TOKENS_PER_EXPERT
     if not (USE_SPECIALIZED and low <= num_tokens * config.top_k / config.num_local_experts <= high
             and config.hidden_size * config.intermediate_size >= SPECIALIZED_EXPERT_WEIGHTS
@@ -221,8 +227,8 @@ def specialized_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec) -> 
     if not all(specialized_supported(spec, n, k, config.dtype) for n, k in ((n1, h), (h, i))):
         return None
     tile = SpecializedTile()
-    plain = _filled_backend(attrs.evolve(PREFILL_TILE, block_m=tile.block_m), config, num_tokens)
-    return attrs.evolve(plain, specialized=tile) if runs_on(config, spec, plain) else None
+    unused = attrs.evolve(PREFILL_TILE, block_m=tile.block_m)
+    return Backend(tile.block_m, unused, unused, tile)
 
 
 def heuristic_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec | None = None) -> Backend:

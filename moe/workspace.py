@@ -21,8 +21,8 @@ from numba_kernels.gemm import GemmTile
 from numba_kernels.gemm_specialized import STEP_K
 
 from .config import MoEConfig, check_config
-from .oracle import (Backend, fused_activation_kind, fused_combine_kind, select_backend, token_buckets,
-                     writes_partials)
+from .oracle import (Backend, fused_activation_kind, fused_combine_kind, select_backend, specialized_slots,
+                     token_buckets, writes_partials)
 from .replay import ProgramCache
 from .weights import gemm_spec, permutes_inputs
 
@@ -74,15 +74,19 @@ def gemm_view(buffer: torch.Tensor, tile: GemmTile, slots: int, width: int, half
     return half_rows(buffer, slots, width, half)
 
 
-def specialized_elements(config: MoEConfig, backend: Backend, slots: int, blocks: int) -> tuple[int, int, int]:
-    """float32 elements of gemm1's and gemm2's outputs, and int32 words of the stage
-    blocks, for a warp-specialised backend (`CallBuffers`); zeros for another."""
+def specialized_elements(config: MoEConfig, backend: Backend, max_tokens: int) -> tuple[int, int, int, int]:
+    """float32 elements of gemm1's and gemm2's outputs, int32 words of the stage blocks
+    and the parts' count (`picks`), for a warp-specialised backend (`CallBuffers`) of up
+    to `max_tokens` tokens; zeros for another."""
     tile = backend.specialized
     if tile is None:
-        return 0, 0, 0
+        return 0, 0, 0, 0
+    slots = specialized_slots(config, max_tokens)
+    blocks = align_sizes(slots, config.num_experts, tile.block_m)[1]
     steps = max(config.hidden_size, config.intermediate_size) // STEP_K
+    parts = blocks * tile.sub_blocks
     return (-(-blocks * tile.block_m * config.gate_up_size // 2), -(-(slots + 1) * config.hidden_size // 2),
-            blocks * tile.sub_blocks * steps * tile.block_words())
+            parts * steps * tile.block_words(), parts)
 
 
 def half_rows(buffer: torch.Tensor, rows: int, width: int, half: torch.dtype) -> torch.Tensor:
@@ -146,12 +150,12 @@ class Workspace:
         slots = max_tokens * config.top_k
         sizes = [align_sizes(slots, config.num_experts, b.block_m) for b in backends]
         half = getattr(torch, config.dtype)
-        specialized = [specialized_elements(config, b, slots, s[1]) for b, s in zip(backends, sizes)]
+        specialized = [specialized_elements(config, b, max_tokens) for b in backends]
         gemm1 = max(max(gemm_out_elements(b.gemm1, slots, config.gate_up_size) for b in backends),
                     *(e[0] for e in specialized))
         gemm2 = max(max(gemm_out_elements(b.gemm2, slots, config.hidden_size) for b in backends),
                     *(e[1] for e in specialized))
-        stage_words = max(e[2] for e in specialized)
+        stage_words, parts = max(e[2] for e in specialized), max(e[3] for e in specialized)
         arrivals = max(arrivals_elements(config, b, s[1], max_tokens) for b, s in zip(backends, sizes))
         device = interop.kernel_device()
         self.max_tokens = max_tokens
@@ -168,7 +172,6 @@ class Workspace:
         self._permuted = permuted_buffer(config, slots)
         self._picks = self._stage_blocks = None
         if stage_words:
-            parts = max(s[1] * b.specialized.sub_blocks for b, s in zip(backends, sizes) if b.specialized)
             self._picks = torch.empty(parts, dtype=torch.int32, device=device)
             self._stage_blocks = torch.empty(stage_words, dtype=torch.int32, device=device)
         self.programs = ProgramCache()  # recorded forwards (see replay); they point into these buffers

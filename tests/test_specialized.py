@@ -13,13 +13,13 @@ from fusing import SeparateReductions
 import moe.oracle
 from layouts import formats
 from layouts.samples import random_quantized
-from moe import MoEConfig, MoELayer, QuantScheme
+from moe import MoEConfig, MoELayer, QuantScheme, Workspace
 from moe.oracle import Backend, backend_from_dict, backend_to_dict, select_backend, select_batched_backend
 from moe.reference import random_checkpoint, reference_moe
 from moe.weights import kernel_spec
 from numba_kernels import interop
 from numba_kernels.activation import Activation
-from numba_kernels.align import moe_align_block_size
+from numba_kernels.align import align_sizes, moe_align_block_size
 from numba_kernels.gemm_specialized import (SpecializedTile, make_specialized_kernel, specialized_gemm,
                                             specialized_supported)
 from numba_kernels.stage_blocks import activate_blocks, gather_blocks
@@ -137,6 +137,21 @@ def test_oracle_takes_it_only_where_device_slots_and_weights_allow(monkeypatch):
     assert select_backend(odd, 36, kernel_spec(odd)).specialized is None
     monkeypatch.setattr(moe.oracle, "USE_SPECIALIZED", False)
     assert select_backend(config, 36, spec).specialized is None
+
+
+def test_workspace_sizes_its_buffers_for_the_calls_the_oracle_runs_so(monkeypatch):
+    """The stage blocks and the parts' widths are sized for the most slots a call the
+    oracle runs warp-specialised can have (80 an expert), not for max_tokens."""
+    _as_on_hopper(monkeypatch)
+    config = _tiny_config()
+    workspace = Workspace(config, 4096, kernel_spec(config))
+    slots = int(moe.oracle.SPECIALIZED_TOKENS_PER_EXPERT[1]) * config.num_local_experts  # 160 of 8192
+    parts = align_sizes(slots, config.num_experts, 128)[1] * SpecializedTile().sub_blocks
+    buffers = workspace.buffers(80, select_backend(config, 80, kernel_spec(config)))
+    assert buffers.picks.numel() == parts and buffers.gemm2_out.shape == (161, 128)
+    assert buffers.stage_blocks.numel() == parts * 2 * SpecializedTile().block_words()  # K = 128: two stages
+    plain = workspace.buffers(80, select_backend(config, 80, kernel_spec(config), specialized=False))
+    assert plain.picks is None and plain.gemm1_out.shape[-2:] == (160, 256)  # slot rows (split or not)
 
 
 def test_backends_round_trip_through_the_tuned_tables_format():
