@@ -189,7 +189,7 @@ def specialized_gemm1(prepared: Prepared, weights: ExpertWeights) -> None:
     gather_blocks(prepared.hidden_states, alignment, prepared.topk_ids.numel(), config.top_k, tile, buffers.picks,
                   buffers.stage_blocks)
     specialized_gemm(buffers.stage_blocks, weights.w13, buffers.picks, buffers.expert_ids, buffers.sorted_token_ids,
-                     buffers.gemm1_out, tile, blocked=True)
+                     buffers.gemm1_out, tile, blocked=True, check_ids=False)
     activate_blocks(buffers.gemm1_out, config.activation, tile, buffers.picks, buffers.stage_blocks)
 
 
@@ -197,7 +197,7 @@ def specialized_gemm2(prepared: Prepared, weights: ExpertWeights) -> None:
     """gemm2 of a warp-specialised backend: a row a slot (and the padding's spare row)."""
     buffers, tile = prepared.buffers, prepared.backend.specialized
     specialized_gemm(buffers.stage_blocks, weights.w2, buffers.picks, buffers.expert_ids, buffers.sorted_token_ids,
-                     buffers.gemm2_out, tile, blocked=False)
+                     buffers.gemm2_out, tile, blocked=False, check_ids=False)
 
 
 def run(prepared: Prepared, weights: ExpertWeights, hooks: MoEHooks | None = None) -> torch.Tensor:

@@ -12,7 +12,7 @@ whole CTA waits at a barrier a stage (Nsight Compute, fifty-fifth session of
   max_width slots is decoded once;
 * one thread copies each stage (64 of K) in bulk copies counted on the stage's
   mbarrier: the weights' codes, scales and zero points, a run each
-  (`StagedWeights.copy_panel`), and the block's activations, which `stage_blocks`
+  (`StagedWeights.copy_panel`), and the part's activations, which `stage_blocks`
   stored stage by stage in the order wgmma reads them (one copy);
 * four *producer* warps decode the staged codes with the GEMM's own reader
   (`fragments.fragment_reader`) into wgmma's A tiles in shared memory;
@@ -21,9 +21,10 @@ whole CTA waits at a barrier a stage (Nsight Compute, fifty-fifth session of
 * the two sides meet on named barriers, a pair per stage, never on one of the whole CTA.
 
 The epilogue stores the outputs as halves, a row per slot: `blocked`, row block *
-block_m + the slot's place in its block (gemm1, whose output `stage_blocks.activate_blocks` turns into
-gemm2's stage blocks), or scattered to the slot's id in the alignment (gemm2, for the
-combine; the padding's sentinel id names a spare last row). Measured on the H200 against
+block_m + the slot's place in its block (gemm1, whose output
+`stage_blocks.activate_blocks` turns into gemm2's stage blocks), or scattered to the
+slot's id in the alignment (gemm2, for the combine; the padding's sentinel id names a
+spare last row). Measured on the H200 against
 the layer's prefill tiles (`benchmarks/LOG.md`, sixty-sixth to seventy-first sessions).
 """
 
@@ -40,6 +41,7 @@ from . import interop, ptx
 from .fragments import CHUNK_N, SLAB_K, bulk_staging_supported, fragment_reader, staged_weights
 from .gemm_plan import chain
 from .launch import launch_kernel
+from .weights import KernelWeights
 
 STAGE_SLABS = 4  # slabs of 16 of K a pipeline stage
 STEP_K = STAGE_SLABS * SLAB_K
@@ -102,7 +104,8 @@ def make_specialized_kernel(spec, n: int, k: int, half: str, tile: SpecializedTi
     if not specialized_supported(spec, n, k, half):
         raise ValueError(f"{spec.name} at (n={n}, k={k}) cannot run on the warp-specialised GEMM: the native layout "
                          f"in column panels of {CHUNKS * CHUNK_N}, K in stages of {STEP_K} expected")
-    widths, stages, block_m, max_width, sub_blocks = tile.widths, tile.stages, tile.block_m, tile.max_width, tile.sub_blocks
+    widths, stages, block_m = tile.widths, tile.stages, tile.block_m
+    max_width, sub_blocks = tile.max_width, tile.sub_blocks
     producers = 64 * CHUNKS
     threads, steps = CONSUMERS + producers, k // STEP_K
     staged = staged_weights(spec, n, k, half, CHUNKS, STAGE_SLABS, producers)
@@ -310,14 +313,50 @@ def make_specialized_kernel(spec, n: int, k: int, half: str, tile: SpecializedTi
     return specialized, barriers + 2 * stages, threads
 
 
-def specialized_gemm(act: torch.Tensor, weights, picks, expert_ids, rows, out, tile: SpecializedTile, *,
-                     blocked: bool) -> None:
+def check_stage_blocks(name: str, blocks, parts: int, k: int, tile: SpecializedTile) -> torch.Tensor:
+    """`blocks` checked as the stage blocks of `parts` parts over K = k (int32, 1-D, large
+    enough): what the gather writes and a GEMM of that K reads."""
+    blocks = interop.check_tensor(name, blocks, dtype=torch.int32, ndim=1)
+    needed = parts * (k // STEP_K) * tile.block_words()
+    if blocks.numel() < needed:
+        raise ValueError(f"{name} must hold {needed} int32 words ({parts} parts x {k // STEP_K} stages of "
+                         f"{tile.block_words()}), got {blocks.numel()}")
+    return blocks
+
+
+def check_picks(picks, blocks: int, tile: SpecializedTile) -> torch.Tensor:
+    """`picks` checked: a width index (int32) for each part of `blocks` alignment blocks."""
+    return interop.check_tensor("picks", picks, dtype=torch.int32, shape=(blocks * tile.sub_blocks,))
+
+
+def specialized_gemm(act, weights, picks, expert_ids, rows, out, tile: SpecializedTile, *, blocked: bool,
+                     check_ids: bool = True) -> None:
     """Launch the warp-specialised GEMM on torch's stream: `act` the stage blocks of the
-    alignment's blocks' parts (`stage_blocks`), `picks` their widths, `expert_ids` and `rows` the
-    alignment's, `weights` the `KernelWeights` of the native layout; halves into `out`
-    (blocks x block_m rows when `blocked`, else a row per slot id and a spare one for
-    the padding's sentinel). Callers check the tensors (`moe.runner`)."""
+    alignment's blocks' parts (`stage_blocks.gather_blocks` or `activate_blocks`), `picks`
+    their widths, `expert_ids` and `rows` (sorted_token_ids) the alignment's, `weights` the
+    `KernelWeights` of the native layout (experts, N, K); halves into `out` (N wide):
+    blocks x block_m rows when `blocked`, else a row per slot id and a last one for the
+    padding's sentinel (num_slots + 1 rows). `check_ids` checks the experts of the blocks
+    (a host sync)."""
+    if not isinstance(weights, KernelWeights):
+        raise TypeError(f"weights must be KernelWeights (KernelWeights.from_physical), got {type(weights).__name__}")
+    if not isinstance(tile, SpecializedTile):
+        raise TypeError(f"tile must be a SpecializedTile, got {type(tile).__name__}")
     experts, n, k = weights.shape
+    expert_ids = interop.check_tensor("expert_ids", expert_ids, dtype=torch.int32, ndim=1)
+    rows = interop.check_tensor("rows", rows, dtype=torch.int32, ndim=1)
+    blocks = expert_ids.shape[0]
+    picks = check_picks(picks, blocks, tile)
+    act = check_stage_blocks("act", act, picks.shape[0], k, tile)
+    out = interop.check_tensor("out", out, dtype=tuple(interop.HALF_NAMES), shape=(None, n))
+    if blocked and out.shape[0] != blocks * tile.block_m:
+        raise ValueError(f"out must have a row per slot of each block ({blocks} x {tile.block_m}), got "
+                         f"{out.shape[0]} rows")
+    if blocks != -(-rows.shape[0] // tile.block_m):
+        raise ValueError(f"expert_ids ({blocks} blocks) must split rows (sorted_token_ids, {rows.shape[0]}) in "
+                         f"blocks of block_m = {tile.block_m}")
+    if check_ids:
+        interop.check_range("expert_ids", expert_ids, -1, experts)
     half = interop.HALF_NAMES[out.dtype]
     kernel, words, threads = make_specialized_kernel(weights.spec, n, k, half, tile, blocked)
     launch_kernel(kernel, (n // (CHUNKS * CHUNK_N), picks.shape[0]), threads, interop.to_kernel(act),

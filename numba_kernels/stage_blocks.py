@@ -26,16 +26,17 @@ from numba import cuda, int32, uint32
 
 from . import interop, ptx
 from .activation import Activation, _pointwise
-from .gemm_specialized import STEP_K, SpecializedTile
+from .align import check_alignment_arrays
+from .gemm_specialized import STEP_K, SpecializedTile, check_picks, check_stage_blocks
 from .launch import launch_kernel
 
 
 @ptx.device
 def piece_of(p, width):
     """(slot, K within the stage) of the 16-byte piece `p` of a stage at `width`."""
-    groups = width // uint32(8)
-    rest = p // uint32(16)
-    return (rest % groups) * uint32(8) + p % uint32(8), (rest // groups) * uint32(16) + (p // uint32(8)) % uint32(2) * uint32(8)
+    groups, rest = width // uint32(8), p // uint32(16)
+    slot = (rest % groups) * uint32(8) + p % uint32(8)
+    return slot, (rest // groups) * uint32(16) + (p // uint32(8)) % uint32(2) * uint32(8)
 
 
 @functools.cache
@@ -123,25 +124,44 @@ def make_activate_kernel(tile: SpecializedTile, width_in: int, activation: Activ
     return activate
 
 
-def gather_blocks(source: torch.Tensor, alignment: tuple, num_slots: int, divisor: int, tile: SpecializedTile,
-                  picks: torch.Tensor, blocks: torch.Tensor) -> None:
+def gather_blocks(source, alignment: tuple, num_slots: int, divisor: int, tile: SpecializedTile, picks,
+                  blocks) -> None:
     """Stage blocks of `source` (tokens, K) halves for the alignment (sorted_token_ids,
-    expert_ids, num_tokens_post_padded) into `blocks` (int32), slot s reading row s //
-    divisor, and each part's width index into `picks` (int32, `tile.sub_blocks` a block
-    of the alignment's expert_ids). Callers check the tensors (`moe.runner`)."""
-    sorted_ids, expert_ids, post_padded = alignment
-    k = source.shape[1]
+    expert_ids, num_tokens_post_padded; blocks of tile.block_m) into `blocks` (int32),
+    slot s reading row s // divisor (num_slots = tokens x divisor), and each part's width
+    index into `picks` (int32, `tile.sub_blocks` a block of expert_ids)."""
+    if not isinstance(tile, SpecializedTile):
+        raise TypeError(f"tile must be a SpecializedTile, got {type(tile).__name__}")
+    source = interop.check_tensor("source", source, dtype=tuple(interop.HALF_NAMES), ndim=2, alignment=16)
+    tokens, k = source.shape
+    interop.check_count("divisor", divisor, 1)
+    if k % STEP_K or num_slots != tokens * divisor:
+        raise ValueError(f"source must be (tokens, K) with K a multiple of {STEP_K} and tokens x divisor = num_slots, "
+                         f"got {tuple(source.shape)}, divisor {divisor} and num_slots {num_slots}")
+    sorted_ids, expert_ids, post_padded = check_alignment_arrays(*alignment, tile.block_m)
+    picks = check_picks(picks, expert_ids.shape[0], tile)
+    blocks = check_stage_blocks("blocks", blocks, picks.shape[0], k, tile)
     kernel = make_gather_kernel(tile, k, divisor)
     launch_kernel(kernel, (picks.shape[0], k // STEP_K), tile.block_m, interop.to_kernel(source.view(torch.int32)),
                   interop.to_kernel(sorted_ids), interop.to_kernel(expert_ids), interop.to_kernel(post_padded),
                   num_slots, interop.to_kernel(picks), interop.to_kernel(blocks))
 
 
-def activate_blocks(gate_up: torch.Tensor, activation: Activation, tile: SpecializedTile, picks: torch.Tensor,
-                    blocks: torch.Tensor) -> None:
+def activate_blocks(gate_up, activation: Activation, tile: SpecializedTile, picks, blocks) -> None:
     """Stage blocks of activation(gate_up) for gemm2: `gate_up` gemm1's blocked output
-    (blocks x block_m, 2I) halves, `picks` as `gather_blocks` wrote them."""
-    width_in = gate_up.shape[1]
+    (blocks x block_m, 2I or I) halves, `picks` as `gather_blocks` wrote them."""
+    if not isinstance(tile, SpecializedTile):
+        raise TypeError(f"tile must be a SpecializedTile, got {type(tile).__name__}")
+    if not isinstance(activation, Activation):
+        raise TypeError(f"activation must be an Activation, got {type(activation).__name__}")
+    gate_up = interop.check_tensor("gate_up", gate_up, dtype=tuple(interop.HALF_NAMES), ndim=2)
+    rows, width_in = gate_up.shape
+    k = activation.output_width(width_in)
+    if rows % tile.block_m or k % STEP_K or (activation.gated and width_in % 2):
+        raise ValueError(f"gate_up must be (blocks x {tile.block_m}, width) with the activation's {k} outputs a "
+                         f"multiple of {STEP_K}, got {tuple(gate_up.shape)}")
+    picks = check_picks(picks, rows // tile.block_m, tile)
+    blocks = check_stage_blocks("blocks", blocks, picks.shape[0], k, tile)
     kernel = make_activate_kernel(tile, width_in, activation, interop.HALF_NAMES[gate_up.dtype])
-    launch_kernel(kernel, (picks.shape[0], activation.output_width(width_in) // STEP_K), tile.block_m,
-                  interop.to_kernel(gate_up.view(torch.int32)), interop.to_kernel(picks), interop.to_kernel(blocks))
+    launch_kernel(kernel, (picks.shape[0], k // STEP_K), tile.block_m, interop.to_kernel(gate_up.view(torch.int32)),
+                  interop.to_kernel(picks), interop.to_kernel(blocks))

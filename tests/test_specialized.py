@@ -177,3 +177,40 @@ def test_bad_configurations_fail_by_name():
         with pytest.raises(ValueError, match="cannot run on the warp-specialised GEMM"):
             make_specialized_kernel(spec, n, k, "bfloat16", SpecializedTile(), True)
     assert not specialized_supported(formats.marlin(4, 128), 256, 4096, "bfloat16")
+
+
+def test_bad_arguments_fail_by_name_before_any_kernel():
+    spec = formats.native(4, 64)
+    weights, _ = _weights(spec, (3, 128, 128), np.random.default_rng(0))
+    ids = torch.tensor([[0, 1]] * 4, dtype=torch.int32)
+    alignment = tuple(t.to(DEVICE) for t in moe_align_block_size(ids, TILE.block_m, 3))
+    blocks = alignment[1].shape[0]
+    hidden = torch.zeros(4, 128, dtype=torch.bfloat16, device=DEVICE)
+    picks = torch.zeros(blocks * TILE.sub_blocks, dtype=torch.int32, device=DEVICE)
+    stage = torch.zeros(picks.numel() * 2 * TILE.block_words(), dtype=torch.int32, device=DEVICE)
+    with pytest.raises(TypeError, match="source must be a"):
+        gather_blocks(hidden.float(), alignment, 8, 2, TILE, picks, stage)
+    with pytest.raises(ValueError, match="tokens x divisor = num_slots"):
+        gather_blocks(hidden, alignment, 9, 2, TILE, picks, stage)
+    with pytest.raises(ValueError, match="picks must have shape"):
+        gather_blocks(hidden, alignment, 8, 2, TILE, picks[1:], stage)
+    with pytest.raises(ValueError, match="blocks must hold"):
+        gather_blocks(hidden, alignment, 8, 2, TILE, picks, stage[1:])
+    with pytest.raises(TypeError, match="tile must be a SpecializedTile"):
+        gather_blocks(hidden, alignment, 8, 2, moe.oracle.PREFILL_TILE, picks, stage)
+    out = torch.zeros(9, 128, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"expert_ids must lie in \[-1, 3\)"):
+        bad = alignment[1].clone()
+        bad[0] = 3
+        specialized_gemm(stage, weights, picks, bad, alignment[0], out, TILE, blocked=False)
+    with pytest.raises(ValueError, match="out must have a row per slot of each block"):
+        specialized_gemm(stage, weights, picks, alignment[1], alignment[0], out, TILE, blocked=True)
+    with pytest.raises(ValueError, match="out must have shape"):
+        specialized_gemm(stage, weights, picks, alignment[1], alignment[0], out[:, :64], TILE, blocked=False)
+    with pytest.raises(TypeError, match="weights must be KernelWeights"):
+        specialized_gemm(stage, weights.tensors, picks, alignment[1], alignment[0], out, TILE, blocked=False)
+    gate_up = torch.zeros(blocks * TILE.block_m, 256, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="gate_up must be"):
+        activate_blocks(gate_up[1:], Activation("silu"), TILE, picks, stage)
+    with pytest.raises(TypeError, match="activation must be an Activation"):
+        activate_blocks(gate_up, "silu", TILE, picks, stage)
