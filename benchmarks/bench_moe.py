@@ -210,9 +210,12 @@ def layer_gemms(layer: MoELayer, hidden: torch.Tensor, topk_weights: torch.Tenso
     buffers, backend, slots = prepared.buffers, prepared.backend, topk_ids.numel()
     alignment = (buffers.sorted_token_ids, buffers.expert_ids, buffers.num_tokens_post_padded)
     arrivals2 = torch.zeros_like(buffers.arrivals) if own_counters else buffers.arrivals
-    if backend.specialized is not None:  # the warp-specialised pair, its gather and activation included
-        return (lambda fused=True: specialized_gemm1(prepared, layer.weights),
-                lambda fused=True: specialized_gemm2(prepared, layer.weights), backend)
+    tile, blocks = backend.specialized, (buffers.picks, buffers.stage_blocks)
+    if tile is not None:  # the warp-specialised pair, its gather and activation included
+        return (lambda fused=True: specialized_gemm1(config, layer.weights, hidden, alignment, slots, tile, *blocks,
+                                                     buffers.gemm1_out),
+                lambda fused=True: specialized_gemm2(layer.weights, alignment, tile, *blocks, buffers.gemm2_out),
+                backend)
     then1 = fused_activation(config, backend.gemm1, buffers.intermediate, buffers.arrivals)
     then2 = fused_combine(config, backend.gemm2, prepared.topk_weights, buffers.output, arrivals2)
 

@@ -2,13 +2,14 @@
 call shape (the GEMM wrappers compile what it names, once per configuration). Nothing else
 in the runner makes these choices.
 
-`select_backend(config, num_tokens, spec)` takes the warp-specialised GEMM where
-`specialized_backend` allows it (Hopper, tens of slots an expert, large experts: measured,
-not tuned), else looks the shape up in the tuned configurations
+`select_backend(config, num_tokens, spec)` looks the shape up in the tuned configurations
 of this device (`moe/tuned/sm_<major><minor>/<device>.json`, written by `python -m
 moe.tune`), topped up by those another GPU of the same architecture measured (`tuned_entries`:
 an H100 takes the H200's tiles for the token counts it has not tuned itself, rather than
-the untuned heuristic), and falls back to a heuristic:
+the untuned heuristic), and falls back to a heuristic. Where no entry was tuned with the
+warp-specialised GEMM among its candidates (every table from before it), the oracle may
+take that GEMM first (`specialized_backend`: Hopper, tens of slots an expert, large
+experts). The heuristic:
 
 * decode (few tokens per expert): operands straight from global memory, 4 warps splitting
   K, batches of 2 slabs each (double buffered; 4 with swapped operands), and a K split
@@ -213,22 +214,39 @@ def specialized_device() -> bool:
     return interop.kernel_device().type == "cuda" and torch.cuda.get_device_capability() == (9, 0)
 
 
-def specialized_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec) -> Backend | None:
-    """Both GEMMs warp-specialised (alignment blocks of 128), where the device, the token
-    count (`SPECIALIZED_TOKENS_PER_EXPERT`), the experts' size (`SPECIALIZED_EXPERT_WEIGHTS`)
-    and the weights allow it (the native layout; not act-order, whose inputs are permuted
-    per expert); else None."""
-    low, high = SPECIALIZED_TOKENS_PER_EXPERT
-    if not (USE_SPECIALIZED and low <= num_tokens * config.top_k / config.num_local_experts <= high
-            and config.hidden_size * config.intermediate_size >= SPECIALIZED_EXPERT_WEIGHTS
-            and specialized_device()) or permutes_inputs(config):
-        return None
+def specialized_allowed(config: MoEConfig, spec: QuantSpec) -> bool:
+    """Whether the warp-specialised GEMM can run this layer here: on Hopper
+    (`specialized_device`, unless NUMBA_MOE_SPECIALIZED=0), the native layout in whole
+    panels and stages (`gemm_specialized.specialized_supported`), not act-order (whose
+    inputs are permuted per expert)."""
+    if not (USE_SPECIALIZED and specialized_device()) or permutes_inputs(config):
+        return False
     h, i, n1 = config.hidden_size, config.intermediate_size, config.gate_up_size
-    if not all(specialized_supported(spec, n, k, config.dtype) for n, k in ((n1, h), (h, i))):
-        return None
-    tile = SpecializedTile()
+    return all(specialized_supported(spec, n, k, config.dtype) for n, k in ((n1, h), (h, i)))
+
+
+def within_parts(config: MoEConfig, num_tokens: int) -> bool:
+    """Whether `num_tokens` tokens give the experts at most a CTA's part of slots each, as
+    expected (beyond, an expert's weights are decoded again a part: not taken, and the
+    workspace is not sized for it, `specialized_slots`)."""
+    return num_tokens * config.top_k / config.num_local_experts <= SPECIALIZED_TOKENS_PER_EXPERT[1]
+
+
+def warp_specialised(tile: SpecializedTile = SpecializedTile()) -> Backend:
+    """The backend of both GEMMs warp-specialised with `tile` (its tiles never run)."""
     unused = attrs.evolve(PREFILL_TILE, block_m=tile.block_m)
     return Backend(tile.block_m, unused, unused, tile)
+
+
+def specialized_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec) -> Backend | None:
+    """The untuned choice of the warp-specialised GEMM (`warp_specialised`): where the
+    token count (`SPECIALIZED_TOKENS_PER_EXPERT`), the experts' size
+    (`SPECIALIZED_EXPERT_WEIGHTS`) and `specialized_allowed` say so; else None."""
+    if (SPECIALIZED_TOKENS_PER_EXPERT[0] <= num_tokens * config.top_k / config.num_local_experts
+            and within_parts(config, num_tokens) and specialized_allowed(config, spec)
+            and config.hidden_size * config.intermediate_size >= SPECIALIZED_EXPERT_WEIGHTS):
+        return warp_specialised()
+    return None
 
 
 def heuristic_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec | None = None) -> Backend:
@@ -330,10 +348,9 @@ def backend_from_dict(value: dict) -> Backend:
 
 
 def backend_to_dict(backend: Backend) -> dict:
-    value = attrs.asdict(backend)
-    if value["specialized"] is None:
-        del value["specialized"]
-    return value
+    """The tuned tables' form; "specialized" is null for tiles (an entry tuned with the
+    warp-specialised GEMM among the candidates, `select_backend`)."""
+    return attrs.asdict(backend)
 
 
 TUNED_REACH = 4
@@ -343,22 +360,29 @@ regime follows the token count, rather than a table entry from another regime.""
 
 
 def select_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec, *, specialized: bool = True) -> Backend:
-    """The backend for `num_tokens` tokens through weights stored as `spec`: the
-    warp-specialised GEMM where `specialized` and `specialized_backend` allow it (it reads
-    routed slots: not the batched layout's, not a call whose hooks see the GEMMs' rows), else the tuned
+    """The backend for `num_tokens` tokens through weights stored as `spec`: the tuned
     entry (`tuned_entries`) for the largest measured token count m <= num_tokens <
     TUNED_REACH * m, else the heuristic; either only if its tiles can read `spec` (a
-    layout sharing a tuned spec's name, act-order's K-sorted tiles, may not be staged)."""
+    layout sharing a tuned spec's name, act-order's K-sorted tiles, may not be staged).
+    The warp-specialised GEMM only where `specialized` (it reads routed slots: not the
+    batched layout's, not a call whose hooks see the GEMMs' rows) and `within_parts`: as
+    the entry says, or by `specialized_backend` where no entry was tuned with it as a
+    candidate (its "specialized" key; the tables from before it lack the key)."""
     if num_tokens < 1:
         raise ValueError(f"num_tokens must be positive, got {num_tokens}")
-    chosen = specialized_backend(config, num_tokens, spec) if specialized else None
-    if chosen is not None:
-        return chosen
     _, entries = tuned_entries(config, spec)
     measured = [int(m) for m in entries if int(m) <= num_tokens < TUNED_REACH * int(m)]
-    if measured:
-        backend = backend_from_dict(entries[str(max(measured))])
-        if runs_on(config, spec, backend):
+    entry = entries[str(max(measured))] if measured else None
+    if specialized and (entry is None or "specialized" not in entry):
+        chosen = specialized_backend(config, num_tokens, spec)
+        if chosen is not None:
+            return chosen
+    if entry is not None:
+        backend = backend_from_dict(entry)
+        if backend.specialized is None and runs_on(config, spec, backend):
+            return backend
+        if (backend.specialized is not None and specialized and within_parts(config, num_tokens)
+                and specialized_allowed(config, spec)):
             return backend
     return heuristic_backend(config, num_tokens, spec)
 

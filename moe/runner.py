@@ -180,37 +180,38 @@ def gemm_input(act: torch.Tensor, weights: ExpertWeights, stored, out: torch.Ten
     return permute_slots(act, stored.k_order, *alignment, num_slots=slots, block_m=block_m, out=out, check_ids=False)
 
 
-def specialized_gemm1(prepared: Prepared, weights: ExpertWeights) -> None:
-    """gemm1 of a warp-specialised backend, then the activation: the hidden states
-    gathered into stage blocks, gemm1 into its blocked output, its activation into gemm2's
-    stage blocks (`numba_kernels.stage_blocks`)."""
-    config, buffers, tile = prepared.config, prepared.buffers, prepared.backend.specialized
-    alignment = (buffers.sorted_token_ids, buffers.expert_ids, buffers.num_tokens_post_padded)
-    gather_blocks(prepared.hidden_states, alignment, prepared.topk_ids.numel(), config.top_k, tile, buffers.picks,
-                  buffers.stage_blocks)
-    specialized_gemm(buffers.stage_blocks, weights.w13, buffers.picks, buffers.expert_ids, buffers.sorted_token_ids,
-                     buffers.gemm1_out, tile, blocked=True, check_ids=False)
-    activate_blocks(buffers.gemm1_out, config.activation, tile, buffers.picks, buffers.stage_blocks)
+def specialized_gemm1(config: MoEConfig, weights: ExpertWeights, hidden_states: torch.Tensor, alignment: tuple,
+                      num_slots: int, tile, picks: torch.Tensor, stage_blocks: torch.Tensor,
+                      gemm1_out: torch.Tensor) -> None:
+    """gemm1 of a warp-specialised backend (`tile`), then the activation: the hidden
+    states gathered into stage blocks, gemm1 into its blocked output, its activation into
+    gemm2's stage blocks (`numba_kernels.stage_blocks`; buffers as `CallBuffers` has them)."""
+    gather_blocks(hidden_states, alignment, num_slots, config.top_k, tile, picks, stage_blocks)
+    specialized_gemm(stage_blocks, weights.w13, picks, alignment[1], alignment[0], gemm1_out, tile, blocked=True,
+                     check_ids=False)
+    activate_blocks(gemm1_out, config.activation, tile, picks, stage_blocks)
 
 
-def specialized_gemm2(prepared: Prepared, weights: ExpertWeights) -> None:
+def specialized_gemm2(weights: ExpertWeights, alignment: tuple, tile, picks: torch.Tensor, stage_blocks: torch.Tensor,
+                      gemm2_out: torch.Tensor) -> None:
     """gemm2 of a warp-specialised backend: a row a slot (and the padding's spare row)."""
-    buffers, tile = prepared.buffers, prepared.backend.specialized
-    specialized_gemm(buffers.stage_blocks, weights.w2, buffers.picks, buffers.expert_ids, buffers.sorted_token_ids,
-                     buffers.gemm2_out, tile, blocked=False, check_ids=False)
+    specialized_gemm(stage_blocks, weights.w2, picks, alignment[1], alignment[0], gemm2_out, tile, blocked=False,
+                     check_ids=False)
 
 
 def run(prepared: Prepared, weights: ExpertWeights, hooks: MoEHooks | None = None) -> torch.Tensor:
     """gemm1 -> activation -> gemm2 -> combine into the workspace's output (M, H)."""
     config, backend, buffers = prepared.config, prepared.backend, prepared.buffers
-    if backend.specialized is not None:  # never with hooks (`prepare`)
-        specialized_gemm1(prepared, weights)
-        specialized_gemm2(prepared, weights)
+    slots = prepared.topk_ids.numel()
+    alignment = (buffers.sorted_token_ids, buffers.expert_ids, buffers.num_tokens_post_padded)
+    tile = backend.specialized
+    if tile is not None:  # never with hooks (`prepare`)
+        specialized_gemm1(config, weights, prepared.hidden_states, alignment, slots, tile, buffers.picks,
+                          buffers.stage_blocks, buffers.gemm1_out)
+        specialized_gemm2(weights, alignment, tile, buffers.picks, buffers.stage_blocks, buffers.gemm2_out)
         combine(buffers.gemm2_out[:-1], prepared.topk_weights, out=buffers.output)
         return buffers.output
     hooks = _NO_HOOKS if hooks is None else hooks
-    slots = prepared.topk_ids.numel()
-    alignment = (buffers.sorted_token_ids, buffers.expert_ids, buffers.num_tokens_post_padded)
 
     then1 = then2 = None
     if type(hooks).post_gemm is MoEHooks.post_gemm:  # a post_gemm hook changes outputs before their reduction

@@ -17,8 +17,11 @@ H200 a fused gemm1 won alone by 2 to 3 % but lost in the layer's sequence by 2 t
 (DeepSeek at M = 4 and 16, benchmarks/LOG.md). A pair runs the activation kernel between the
 GEMMs where gemm1 leaves it, as the layer does and the benchmark's GEMMs column does not:
 so at Qwen3 w4a16 M = 1 the tuner sees no gain in gemm1 releasing early, which that column
-times 0.6 us faster and the layer 0.2 (within the spread; H200, benchmarks/LOG.md). The
-fastest pair wins, over all block sizes. A time is the mean over `routings` random
+times 0.6 us faster and the layer 0.2 (within the spread; H200, benchmarks/LOG.md). Where
+the warp-specialised GEMM can run (`oracle.specialized_allowed`: Hopper, the native layout)
+and the experts get at most a CTA's part of slots each (`oracle.within_parts`), it is timed
+too, with its gather, activation and combine, as one more pair. The fastest pair wins,
+over all block sizes; its entry says whether it is the warp-specialised GEMM ("specialized"). A time is the mean over `routings` random
 routings (3 by default): with a few slots per expert one draw can rank two tiles the other
 way round from the next (on the H200 one draw picked a Mixtral M = 16 gemm2 tile that the
 benchmark's own draw timed 1.36x slower). The candidates are the oracle's own families
@@ -53,13 +56,15 @@ from numba_kernels.align import align_sizes, moe_align_block_size
 from numba_kernels.combine import combine
 from numba_kernels.fragments import SLAB_K
 from numba_kernels.gemm import GemmTile, grouped_gemm
+from numba_kernels.gemm_specialized import STEP_K
 from numba_kernels.launch import replaying
 
 from .config import MoEConfig, QuantScheme
 from .oracle import (DECODE_TILE, SWAPPED_DECODE_TILE, Backend, activation_finishable, backend_from_dict,
+                     specialized_allowed, warp_specialised, within_parts,
                      backend_to_dict, device_architecture, device_name, heuristic_backend, select_backend, shape_key,
                      shape_prefix, tuned_path, tuned_tables)
-from .runner import fused_activation, fused_combine
+from .runner import fused_activation, fused_combine, specialized_gemm1, specialized_gemm2
 from .weights import ExpertWeights, kernel_spec
 from .workspace import arrivals_elements, gemm_out_elements, gemm_view
 
@@ -303,6 +308,23 @@ def tune(config: MoEConfig, token_counts: Iterable[int], *, measure: Measure | N
 
             return run
 
+        def specialized_runner(tile):
+            """run(alignment): both GEMMs warp-specialised with `tile`, its gather and
+            activation, then the combine, as the layer runs them."""
+            blocks = align_sizes(slots, config.num_experts, tile.block_m)[1]
+            picks = torch.empty(blocks * tile.sub_blocks, dtype=torch.int32, device=device)
+            stage_blocks = torch.empty(picks.numel() * max(h, i) // STEP_K * tile.block_words(),
+                                       dtype=torch.int32, device=device)
+            gemm1_out = torch.empty(blocks * tile.block_m, n1, dtype=half, device=device)
+            gemm2_out = torch.empty(slots + 1, h, dtype=half, device=device)
+
+            def run(alignment):
+                specialized_gemm1(config, weights, hidden, alignment, slots, tile, picks, stage_blocks, gemm1_out)
+                specialized_gemm2(weights, alignment, tile, picks, stage_blocks, gemm2_out)
+                combine(gemm2_out[:-1], topk_weights, out=reduced["gemm2"])
+
+            return run
+
         def timed(runs: list, subject: GemmTile | Backend) -> float:
             """Mean over the routings of `runs` one after another, replayed as the layer does:
             behind the alignment that they wait for, so that gemm1 too starts early (its
@@ -343,6 +365,11 @@ def tune(config: MoEConfig, token_counts: Iterable[int], *, measure: Measure | N
                 pairs[backend] = timed([runner("gemm1", tile1), runner("gemm2", tile2, alignment_ready=True)], backend)
                 if report:
                     report(tokens, "pair", backend, pairs[backend])
+        if within_parts(config, tokens) and specialized_allowed(config, weights.spec):
+            backend = warp_specialised()
+            pairs[backend] = timed([specialized_runner(backend.specialized)], backend)
+            if report:
+                report(tokens, "pair", backend, pairs[backend])
         best[tokens] = min(pairs, key=pairs.get)
         if finished:
             finished(tokens, best[tokens])

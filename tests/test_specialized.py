@@ -15,6 +15,7 @@ from layouts import formats
 from layouts.samples import random_quantized
 from moe import MoEConfig, MoELayer, QuantScheme, Workspace
 from moe.oracle import Backend, backend_from_dict, backend_to_dict, select_backend, select_batched_backend
+from numba_kernels.gemm import GemmTile
 from moe.reference import random_checkpoint, reference_moe
 from moe.weights import kernel_spec
 from numba_kernels import interop
@@ -157,9 +158,10 @@ def test_workspace_sizes_its_buffers_for_the_calls_the_oracle_runs_so(monkeypatc
 def test_backends_round_trip_through_the_tuned_tables_format():
     tile = moe.oracle.PREFILL_TILE
     plain = Backend(64, tile, tile)
-    assert "specialized" not in backend_to_dict(plain) and backend_from_dict(backend_to_dict(plain)) == plain
-    wide = attrs.evolve(tile, block_m=128)
-    specialized = Backend(128, wide, wide, SpecializedTile())
+    assert backend_to_dict(plain)["specialized"] is None and backend_from_dict(backend_to_dict(plain)) == plain
+    specialized = moe.oracle.warp_specialised()
+    assert specialized == Backend(128, attrs.evolve(tile, block_m=128), attrs.evolve(tile, block_m=128),
+                                  SpecializedTile())
     assert backend_from_dict(backend_to_dict(specialized)) == specialized
     with pytest.raises(ValueError, match="alignment block size"):
         Backend(64, tile, tile, SpecializedTile())
@@ -177,6 +179,38 @@ def test_bad_configurations_fail_by_name():
         with pytest.raises(ValueError, match="cannot run on the warp-specialised GEMM"):
             make_specialized_kernel(spec, n, k, "bfloat16", SpecializedTile(), True)
     assert not specialized_supported(formats.marlin(4, 128), 256, 4096, "bfloat16")
+
+
+def test_the_tuner_times_it_and_the_oracle_takes_what_it_measured(tmp_path, monkeypatch):
+    """On "Hopper" the tuner times the warp-specialised backend beside the tile pairs (its
+    gather, GEMMs, activation and combine in one replay) and saves it where it is the
+    fastest; the oracle then takes it from the table, but not for calls that need tiles
+    (hooks) or give an expert more than a part of slots."""
+    from moe.tune import save, tune
+
+    monkeypatch.setattr(moe.oracle, "TUNED_DIR", tmp_path)
+    moe.oracle.tuned_tables.cache_clear()
+    monkeypatch.setattr(moe.oracle, "specialized_device", lambda: True)
+    config = _tiny_config()
+    tile = GemmTile(block_m=16, warps_k=2, slabs_per_warp=1)
+    timed = []
+
+    def measure(replay, subject):  # the warp-specialised run scripted fastest
+        timed.append((subject, len(replay.launchers)))
+        return 1.0 if isinstance(subject, Backend) and subject.specialized else 2.0
+
+    try:
+        best = tune(config, [36], measure=measure, candidates=lambda tokens, config, k: [tile], progress=False,
+                    routings=1)
+        assert best[36] == moe.oracle.warp_specialised()
+        assert (best[36], 6) in timed  # alignment, gather, gemm1, activation, gemm2, combine
+        save(config, best)
+        spec = kernel_spec(config)
+        assert select_backend(config, 36, spec) == best[36]
+        assert select_backend(config, 36, spec, specialized=False).specialized is None
+        assert select_backend(config, 100, spec).specialized is None  # 100 slots an expert: more than a part
+    finally:
+        moe.oracle.tuned_tables.cache_clear()
 
 
 def test_bad_arguments_fail_by_name_before_any_kernel():
