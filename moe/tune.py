@@ -21,10 +21,11 @@ times 0.6 us faster and the layer 0.2 (within the spread; H200, benchmarks/LOG.m
 the warp-specialised GEMM can run (`oracle.specialized_allowed`: Hopper, the native layout)
 and the experts get at most a CTA's part of slots each (`oracle.within_parts`), it is timed
 too, with its gather, activation and combine, as one more pair. The fastest pair wins,
-over all block sizes; its entry says whether it is the warp-specialised GEMM ("specialized"). A time is the mean over `routings` random
-routings (3 by default): with a few slots per expert one draw can rank two tiles the other
-way round from the next (on the H200 one draw picked a Mixtral M = 16 gemm2 tile that the
-benchmark's own draw timed 1.36x slower). The candidates are the oracle's own families
+over all block sizes; its entry says whether it is the warp-specialised GEMM
+("specialized"). A time is the mean over `routings` random routings (3 by default): with
+a few slots per expert one draw can rank two tiles the other way round from the next
+(on the H200 one draw picked a Mixtral M = 16 gemm2 tile that the benchmark's own draw
+timed 1.36x slower). The candidates are the oracle's own families
 (`candidate_tiles`): decode tiles (16-slot blocks, or 8-slot blocks with swapped operands,
 those also with the reduction fused into the GEMM or an unchecked steady loop; gemm1's
 also as gate/up pairs of warps that finish the activation in their epilogue; operands
@@ -61,9 +62,8 @@ from numba_kernels.launch import replaying
 
 from .config import MoEConfig, QuantScheme
 from .oracle import (DECODE_TILE, SWAPPED_DECODE_TILE, Backend, activation_finishable, backend_from_dict,
-                     specialized_allowed, warp_specialised, within_parts,
                      backend_to_dict, device_architecture, device_name, heuristic_backend, select_backend, shape_key,
-                     shape_prefix, tuned_path, tuned_tables)
+                     shape_prefix, specialized_allowed, tuned_path, tuned_tables, warp_specialised, within_parts)
 from .runner import fused_activation, fused_combine, specialized_gemm1, specialized_gemm2
 from .weights import ExpertWeights, kernel_spec
 from .workspace import arrivals_elements, gemm_out_elements, gemm_view
