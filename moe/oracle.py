@@ -232,6 +232,14 @@ def within_parts(config: MoEConfig, num_tokens: int) -> bool:
     return num_tokens * config.top_k / config.num_local_experts <= SPECIALIZED_TOKENS_PER_EXPERT[1]
 
 
+def specialized_candidate(config: MoEConfig, num_tokens: int, spec: QuantSpec) -> bool:
+    """Whether the tuner times the warp-specialised GEMM at `num_tokens` tokens: where it
+    can run (`specialized_allowed`), in the prefill regime (more than
+    DECODE_TOKENS_PER_EXPERT slots an expert) and `within_parts`."""
+    return (num_tokens * config.top_k / config.num_local_experts > DECODE_TOKENS_PER_EXPERT
+            and within_parts(config, num_tokens) and specialized_allowed(config, spec))
+
+
 def warp_specialised(tile: SpecializedTile = SpecializedTile()) -> Backend:
     """The backend of both GEMMs warp-specialised with `tile` (its tiles never run)."""
     unused = attrs.evolve(PREFILL_TILE, block_m=tile.block_m)

@@ -209,6 +209,7 @@ def test_the_tuner_times_it_and_the_oracle_takes_what_it_measured(tmp_path, monk
         assert select_backend(config, 36, spec) == best[36]
         assert select_backend(config, 36, spec, specialized=False).specialized is None
         assert select_backend(config, 100, spec).specialized is None  # 100 slots an expert: more than a part
+        assert not moe.oracle.specialized_candidate(config, 16, spec)  # 16 an expert: decode tiles' regime
     finally:
         moe.oracle.tuned_tables.cache_clear()
 
