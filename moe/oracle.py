@@ -218,8 +218,9 @@ def specialized_allowed(config: MoEConfig, spec: QuantSpec) -> bool:
     """Whether the warp-specialised GEMM can run this layer here: on Hopper
     (`specialized_device`, unless NUMBA_MOE_SPECIALIZED=0), the native layout in whole
     panels and stages (`gemm_specialized.specialized_supported`), not act-order (whose
-    inputs are permuted per expert)."""
-    if not (USE_SPECIALIZED and specialized_device()) or permutes_inputs(config):
+    inputs are permuted per expert), all experts on this rank (it writes no zeros for the
+    slots of experts held by another rank, as the tiles do)."""
+    if not (USE_SPECIALIZED and specialized_device()) or permutes_inputs(config) or config.expert_map is not None:
         return False
     h, i, n1 = config.hidden_size, config.intermediate_size, config.gate_up_size
     return all(specialized_supported(spec, n, k, config.dtype) for n, k in ((n1, h), (h, i)))

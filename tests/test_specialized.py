@@ -134,6 +134,8 @@ def test_oracle_takes_it_only_where_device_slots_and_weights_allow(monkeypatch):
     act_order = _tiny_config(QuantScheme("gptq", bits=4, group_size=64, act_order=True))
     assert select_backend(act_order, 36, kernel_spec(act_order)).specialized is None  # inputs permuted per expert
     assert moe.oracle.specialized_backend(config, 36, formats.marlin(4, 64)) is None  # not the native layout
+    ranked = _tiny_config(num_experts=4, expert_map=[0, 1, -1, -1])  # no zeros for the other rank's slots
+    assert select_backend(ranked, 72, kernel_spec(ranked)).specialized is None
     odd = _tiny_config(hidden_size=192)  # w2's 192 features: not whole panels of 128
     assert select_backend(odd, 36, kernel_spec(odd)).specialized is None
     monkeypatch.setattr(moe.oracle, "USE_SPECIALIZED", False)
