@@ -1,8 +1,9 @@
 """The warp-specialised GEMM (`numba_kernels.gemm_specialized`) and its stage blocks, under
 the simulator: gather -> gemm1 (blocked rows) -> activation into stage blocks -> gemm2
 (a row a slot) equal the spec's dequantised product for blocks of several widths; the
-layer takes it where the oracle says (Hopper, tens of slots an expert), replays it, and
-keeps the tiles for hooked calls; bad configurations fail by name."""
+layer takes it where the oracle says (Hopper, tens of slots an expert, or a tuned entry),
+replays it, and keeps the tiles for hooked calls; the workspace fits it; bad arguments
+and configurations fail by name."""
 
 import attrs
 import numpy as np
@@ -15,12 +16,12 @@ from layouts import formats
 from layouts.samples import random_quantized
 from moe import MoEConfig, MoELayer, QuantScheme, Workspace
 from moe.oracle import Backend, backend_from_dict, backend_to_dict, select_backend, select_batched_backend
-from numba_kernels.gemm import GemmTile
 from moe.reference import random_checkpoint, reference_moe
 from moe.weights import kernel_spec
 from numba_kernels import interop
 from numba_kernels.activation import Activation
 from numba_kernels.align import align_sizes, moe_align_block_size
+from numba_kernels.gemm import GemmTile
 from numba_kernels.gemm_specialized import (SpecializedTile, make_specialized_kernel, specialized_gemm,
                                             specialized_supported)
 from numba_kernels.stage_blocks import activate_blocks, gather_blocks
