@@ -248,12 +248,12 @@ def warp_specialised(tile: SpecializedTile = SpecializedTile()) -> Backend:
 
 
 def specialized_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec) -> Backend | None:
-    """The untuned choice of the warp-specialised GEMM (`warp_specialised`): where the
-    token count (`SPECIALIZED_TOKENS_PER_EXPERT`), the experts' size
-    (`SPECIALIZED_EXPERT_WEIGHTS`) and `specialized_allowed` say so; else None."""
+    """The untuned choice of the warp-specialised GEMM (`warp_specialised`): a candidate
+    (`specialized_candidate`) where the token count (`SPECIALIZED_TOKENS_PER_EXPERT`) and
+    the experts' size (`SPECIALIZED_EXPERT_WEIGHTS`) say so; else None."""
     if (SPECIALIZED_TOKENS_PER_EXPERT[0] <= num_tokens * config.top_k / config.num_local_experts
-            and within_parts(config, num_tokens) and specialized_allowed(config, spec)
-            and config.hidden_size * config.intermediate_size >= SPECIALIZED_EXPERT_WEIGHTS):
+            and config.hidden_size * config.intermediate_size >= SPECIALIZED_EXPERT_WEIGHTS
+            and specialized_candidate(config, num_tokens, spec)):
         return warp_specialised()
     return None
 

@@ -655,14 +655,13 @@ class StagedWeights:
         long (the rest zero-filled). Chunks past N are not copied, and no warp reads them;
     fetch(tiles, buffer, local_slab, local_chunk, lane, raw): the lane's words of one
         slab-chunk in the order the reader's `fetch` gives them, so its `decode` applies;
-    copy_bulk(weights, e, first_chunk, second_chunk, first_slab, tiles, base, barrier):
-        the same stage (a whole one, `bulk_staging_supported`) in a few bulk copies from
-        one thread, a panel's run of a slab or group each (`ptx.bulk_copy`, counted on the
-        mbarrier at word `barrier`, which the caller has told to expect
-        `4 * stage_words` bytes): no copy instructions or addresses in the other threads;
-    copy_panel(weights, e, first_chunk, first_slab, tiles, base, barrier): the same where
-        the CTA's chunks are one column panel of each tensor (from `first_chunk`, a
-        multiple of `chunks`), straight-line, a copy a tensor; None where they cannot be.
+    copy_panel(weights, e, first_chunk, first_slab, tiles, base, barrier): the same stage
+        (a whole one, `bulk_staging_supported`) in bulk copies from one thread, where the
+        CTA's chunks are one column panel of each tensor (from `first_chunk`, a multiple
+        of `chunks`): straight-line, a copy a tensor (`ptx.bulk_copy`, counted on the
+        mbarrier at word `barrier`, which the caller has told to expect `4 * stage_words`
+        bytes), no copy instructions or addresses in the other threads; None where the
+        chunks cannot be one panel.
     """
 
     stage_words: int
@@ -672,7 +671,6 @@ class StagedWeights:
     copy: object
     copy_partial: object
     fetch: object
-    copy_bulk: object
     copy_panel: object
 
 
@@ -755,7 +753,7 @@ def staging_supported(spec: QuantSpec, n: int, k: int, half: str, stage_slabs: i
 
 
 def bulk_staging_supported(spec: QuantSpec, n: int, k: int, half: str, chunks: int, stage_slabs: int) -> bool:
-    """Whether `StagedWeights.copy_bulk` can fill every stage: staging as
+    """Whether bulk copies (`StagedWeights.copy_panel`) can fill every stage: staging as
     `staging_supported`, K in whole stages and N in whole runs of `chunks` chunks (a bulk
     copy's bytes are fixed when compiled: no partial stage, no chunk past N)."""
     return (staging_supported(spec, n, k, half, stage_slabs) and k % (stage_slabs * SLAB_K) == 0
@@ -832,7 +830,6 @@ def staged_weights(spec: QuantSpec, n: int, k: int, half: str, chunks: int, slab
             raw[words_per_lane + scale_words] = shared1(tiles, base + weight_words + scale_total + column * 8
                                                                 + lane_id // 4)
 
-    run_chunks = chunks // 2  # the first run of chunks (gemm1's gate half, `plan`); the rest follow second_chunk
     chunk_zero_words = 8 * zero_words
     # Chunks whose scales (and zero points) are stored one after another: a panel's (the
     # zero points' panels are as wide: `lane_scales`).
@@ -855,41 +852,7 @@ def staged_weights(spec: QuantSpec, n: int, k: int, half: str, chunks: int, slab
             bulk_copy(tiles, base + weight_words + scale_total, weights[2], zero_place(e, first_group, chunk * 8),
                       4 * stage_groups * chunks * chunk_zero_words, barrier)
 
-    @device
-    def copy_rows(weights, e, chunk, local, count, first_slab, tiles, base, barrier):
-        """The stage's rows of `count` chunks from `chunk` on, to local chunk `local`: a
-        panel's run of each slab, then of each group's scales and zero points."""
-        done = 0
-        while done < count:
-            piece = min(count - done, panel_chunks - (chunk + done) % panel_chunks)
-            for slab in range(slabs):
-                bulk_copy(tiles, base + (slab * chunks + local + done) * words_per_chunk, weights[0],
-                          word_of(e, first_slab + slab, chunk + done), 4 * piece * words_per_chunk, barrier)
-            done += piece
-        first_group = uint32(first_slab) * uint32(SLAB_K) // uint32(group_size)
-        done = 0
-        while done < count:
-            piece = min(count - done, scale_panel_chunks - (chunk + done) % scale_panel_chunks)
-            for group in range(stage_groups):
-                column = group * chunks + local + done
-                bulk_copy(tiles, base + weight_words + column * chunk_scale_words, weights[1],
-                          scale_place(e, first_group + group, (chunk + done) * CHUNK_N), 4 * piece * chunk_scale_words,
-                          barrier)
-                if zero_words:
-                    bulk_copy(tiles, base + weight_words + scale_total + column * chunk_zero_words, weights[2],
-                              zero_place(e, first_group + group, (chunk + done) * 8), 4 * piece * chunk_zero_words,
-                              barrier)
-            done += piece
-
-    @device
-    def copy_bulk(weights, e, first_chunk, second_chunk, first_slab, tiles, base, barrier):
-        if chunks == 1 or second_chunk == first_chunk + run_chunks:  # one run
-            copy_rows(weights, e, first_chunk, 0, chunks, first_slab, tiles, base, barrier)
-        else:
-            copy_rows(weights, e, first_chunk, 0, run_chunks, first_slab, tiles, base, barrier)
-            copy_rows(weights, e, second_chunk, run_chunks, chunks - run_chunks, first_slab, tiles, base, barrier)
-
-    return StagedWeights(stage_words, weight_words, copies_per_thread, plan, copy, copy_partial, fetch, copy_bulk,
+    return StagedWeights(stage_words, weight_words, copies_per_thread, plan, copy, copy_partial, fetch,
                          copy_panel if one_panel else None)
 
 

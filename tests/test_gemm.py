@@ -448,34 +448,31 @@ def _small_problem(half=torch.bfloat16):
     return torch.zeros(2, 64, dtype=half, device=device), weights, alignment
 
 
-@pytest.mark.parametrize("spec", [formats.native(4, 128), formats.native(4, 64, zero_points=True),
-                                  formats.native(fp4=True)], ids=lambda spec: spec.name)
-@pytest.mark.parametrize("chunks, first_chunk, second_chunk, n, copier", [
-    (2, 0, 1, 256, "copy_bulk"), (2, 0, 1, 256, "copy_panel"), (2, 2, 3, 256, "copy_panel"),
-    (2, 0, 3, 256, "copy_bulk"), (2, 1, 2, 256, "copy_bulk"), (4, 0, 2, 512, "copy_bulk"), (1, 1, 1, 128, "copy_bulk")],
-                         ids=["a panel", "a panel, straight", "the second panel, straight", "two runs", "across panels",
-                              "two panels", "a chunk"])
-def test_bulk_staging_fills_a_stage_exactly_as_the_threads_copies_do(spec, chunks, first_chunk, second_chunk, n,
-                                                                     copier):
-    """`StagedWeights.copy_bulk` (one thread's bulk copies on an mbarrier) writes every
-    word of a stage that the threads' 16-byte copies write, for each stage of an expert:
-    codes, scales and zero points, the chunks as one run or two (gemm1's gate and up),
-    one column panel of the native layout (`formats.NATIVE_PANEL`), parts of two, or two;
-    so does `copy_panel` for a CTA of one panel."""
-    experts, k, slabs, threads = 2, 256, 4, 64
+NATIVE_SPECS = [formats.native(4, 128), formats.native(4, 64, zero_points=True), formats.native(fp4=True)]
+
+
+@pytest.mark.parametrize("spec", NATIVE_SPECS, ids=lambda spec: spec.name)
+@pytest.mark.parametrize("chunks, n", [(2, 256), (4, 512), (1, 128)])
+def test_bulk_staging_takes_whole_stages_and_whole_runs_of_chunks(spec, chunks, n):
+    k, slabs = 256, 4
     assert bulk_staging_supported(spec, n, k, "bfloat16", chunks, slabs)
     assert not bulk_staging_supported(spec, n, k + 16, "bfloat16", chunks, slabs)  # a partial stage
     assert chunks == 1 or not bulk_staging_supported(spec, n - 64, k, "bfloat16", chunks, slabs)  # a chunk past N
+    assert (staged_weights(spec, n, k, "bfloat16", chunks, slabs, 64).copy_panel is not None) == (chunks == 2)
+
+
+@pytest.mark.parametrize("spec", NATIVE_SPECS, ids=lambda spec: spec.name)
+@pytest.mark.parametrize("first_chunk", [0, 2], ids=["the first panel", "the second panel"])
+def test_bulk_staging_fills_a_stage_exactly_as_the_threads_copies_do(spec, first_chunk):
+    """`StagedWeights.copy_panel` (one thread's bulk copies on an mbarrier) writes every
+    word of a stage that the threads' 16-byte copies write, for each stage of an expert:
+    codes, scales and zero points of a CTA's two chunks, one column panel of the native
+    layout (`formats.NATIVE_PANEL`)."""
+    experts, k, slabs, threads, chunks, n = 2, 256, 4, 64, 2, 256
+    second_chunk = first_chunk + 1
     staged = staged_weights(spec, n, k, "bfloat16", chunks, slabs, threads)
-    assert (staged.copy_panel is not None) == (chunks == 2)  # a CTA's chunks one panel
     words, steps, copies = staged.stage_words, k // (slabs * 16), staged.copies_per_thread
     plan, copy, wait_all, copy_panel = staged.plan, staged.copy, ptx.wait_copies[0], staged.copy_panel
-
-    @ptx.device
-    def panel_copy(weights, e, first, second, first_slab, shared, base, barrier):
-        copy_panel(weights, e, first, first_slab, shared, base, barrier)
-
-    copy_bulk = staged.copy_bulk if copier == "copy_bulk" else panel_copy
 
     @ptx.kernel
     def run(weights, e, first, second, seen):
@@ -494,7 +491,7 @@ def test_bulk_staging_fills_a_stage_exactly_as_the_threads_copies_do(spec, chunk
             ptx.commit_copies()
             if thread == 0:
                 ptx.mbarrier_expect_bytes(shared, 2 * words, 4 * words)
-                copy_bulk(weights, e, first, second, step * slabs, shared, uint32(words), 2 * words)
+                copy_panel(weights, e, first, step * slabs, shared, uint32(words), 2 * words)
             wait_all()
             ptx.mbarrier_wait(shared, 2 * words, step % 2)
             cuda.syncthreads()
