@@ -120,11 +120,9 @@ def make_specialized_kernel(spec, n: int, k: int, half: str, tile: SpecializedTi
     barriers = row_table + max_width
     regs = max(widths) // 2  # a consumer thread's accumulators of one chunk
     accumulators = CHUNKS * regs
-    # Each stage's wgmma are waited for before the next stage's: with one group left in
-    # flight (wait_group 1, the bound's choice) int4 gemm1 at Mixtral M = 256 gave
-    # different bits run to run on the H200, 7.6 M of 14.7 M outputs (363 us); waiting for
-    # all, none (402 us). Seventy-first session of benchmarks/LOG.md; cause not found.
-    wait_mma = ptx.warpgroup_wait[0]
+    # One group of wgmma stays in flight (the newest stage's) while the next is issued;
+    # the last step waits for all of them (`consumer`).
+    wait_in_flight, wait_all = ptx.warpgroup_wait[1], ptx.warpgroup_wait[0]
 
     @ptx.device
     def issue_stage(act, weights, step, buffer, part, expert, first_chunk, width, shared):
@@ -199,9 +197,9 @@ def make_specialized_kernel(spec, n: int, k: int, half: str, tile: SpecializedTi
 
         return functools.reduce(chain, [tile_multiplier(s, c) for s in range(STAGE_SLABS) for c in range(CHUNKS)])
 
-    def consumer_step(b: int, width: int):
-        """Multiply stage b at `width` once the producers hand it over; release the
-        stage before it once that stage's wgmma are done."""
+    def consumer_step(b: int, width: int, wait_mma):
+        """Multiply stage b at `width` once the producers hand it over; wait (`wait_mma`)
+        and release the stage before it, whose wgmma are then done."""
         ready, before = ptx.barrier_sync(1 + b, threads), (b - 1) % stages
         release = ptx.barrier_arrive(1 + stages + before, threads)
         multiply_stage = stage_multiplier(width)
@@ -253,8 +251,15 @@ def make_specialized_kernel(spec, n: int, k: int, half: str, tile: SpecializedTi
         the width's accumulators, the main loop, store them. A path a width, so that no
         instruction but that width's wgmma defines its accumulators between them (one
         loop with a branch a stage made ptxas inject warpgroup arrives, C7519; zeroing and
-        stores shared by the widths serialised the wgmma, C7515)."""
-        consume_round = functools.reduce(chain, [consumer_step(b, width) for b in range(stages)])
+        stores shared by the widths serialised the wgmma, C7515). The round of the last
+        step comes after the loop, that step waiting for all groups: with that wait after
+        the loop ptxas placed the stores' reads of the accumulators above it, and the
+        outputs missed the last stage (seventy-second session of benchmarks/LOG.md); a
+        branch in the loop to wait at the last step serialised every wgmma (C7517)."""
+        last_b = (steps - 1) % stages
+        consume_round = functools.reduce(chain, [consumer_step(b, width, wait_in_flight) for b in range(stages)])
+        last_round = functools.reduce(chain, [consumer_step(b, width, wait_all if b == last_b else wait_in_flight)
+                                              for b in range(last_b + 1)])
         zero_accumulators, store_outputs = zero_prefix[width // 8 * CHUNKS - 1], store_prefix[width // 8 * CHUNKS - 1]
 
         @ptx.device
@@ -262,9 +267,10 @@ def make_specialized_kernel(spec, n: int, k: int, half: str, tile: SpecializedTi
             if width_index == uint32(index):
                 zero_accumulators(acc)
                 first = uint32(0)
-                while first < uint32(steps):
+                while first < uint32(steps - 1 - last_b):
                     consume_round(first, shared, acc)
                     first += uint32(stages)
+                last_round(first, shared, acc)
                 store_outputs(acc, output_scale(weights, expert), out, shared, feature, col)
 
         return run

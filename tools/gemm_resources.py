@@ -4,6 +4,7 @@ for sm_90a without a GPU (see `tools/ptx_check.py` for what it needs).
     python -m tools.gemm_resources                # resources
     python -m tools.gemm_resources --digest       # a digest of each kernel's code
     python -m tools.gemm_resources --before-wait  # global loads issued before the wait
+    python -m tools.gemm_resources --specialized  # the warp-specialised GEMM's wgmma waits
 
 Prints one line per (layout, tile): registers per thread, stack / spill bytes, local
 loads, mma and 16-byte global loads in the PTX. Run it after changing a kernel's main
@@ -20,7 +21,12 @@ L2 (`.STRONG.GPU`, under the predicate that skipped the first wait) and the late
 alignment (plain `LDG.E`, under the other predicate) belong; an activation load there
 would read it unfinished (the sixty-first session's race). A listing to read beside the
 SASS, not a verdict: it does not follow branches (a plain `LDG.E` without a predicate may
-sit in a block only later CTAs run).
+sit in a block only later CTAs run). With `--specialized`, the warp-specialised GEMM
+(`gemm_specialized`) at Mixtral's two GEMMs: its HGMMA, its waits for all but the newest
+group (the main loop, pipelined) and for all groups, and the reads of accumulators
+(F2FP, FMUL) that the SASS places after an HGMMA but before a wait for all groups; that
+count must be 0 (the seventy-second session found ptxas had moved the stores' reads above
+a wait that came after the main loop).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from moe.oracle import DECODE_TILE, PREFILL_TILE, SWAPPED_DECODE_TILE, writes_pa
 from numba_kernels.activation import Activation  # noqa: E402
 from numba_kernels.epilogue import activation_kind, combine_kind  # noqa: E402
 from numba_kernels.gemm import GemmTile, make_grouped_gemm, stores_pairs  # noqa: E402
+from numba_kernels.gemm_specialized import SpecializedTile, make_specialized_kernel  # noqa: E402
 
 DECODE = attrs.evolve(DECODE_TILE, split_k=2)
 SWAPPED = attrs.evolve(SWAPPED_DECODE_TILE, split_k=2, fused_reduction=True)
@@ -133,13 +140,40 @@ def loads_before_wait(spec: QuantSpec, tile: GemmTile) -> str:
     return " | ".join(segments) or "no wait"
 
 
+def specialized_waits(spec: QuantSpec, n: int, k: int, blocked: bool) -> str:
+    """Registers, HGMMA, waits and accumulator reads before a full wait in the SASS of the
+    warp-specialised GEMM for weights (n, k) an expert."""
+    kernel, _, _ = make_specialized_kernel(spec, n, k, "bfloat16", SpecializedTile(), blocked)
+    ids = np.zeros(16, np.int32)
+    compiled = compile_kernel(kernel, ids, _kernel_arrays(spec, (2, 256, 256)), ids, ids, ids,
+                              np.zeros((16, n), np.int16))
+    pending, early, counts = False, 0, {"HGMMA": 0, "gsb0, 0x1": 0, "gsb0, 0x0": 0}
+    for line in sass(compiled.ptx).splitlines():
+        counts.update({key: counts[key] + 1 for key in counts if key in line})
+        if "HGMMA" in line or "DEPBAR.LE gsb0, 0x0" in line:
+            pending = "HGMMA" in line
+        elif pending and re.search(r"\b(F2FP|FMUL)\b", line):
+            early += 1
+    registers = re.findall(r"Used (\d+) registers", compiled.report)
+    spills = re.findall(r"(\d+) bytes spill stores", compiled.report)
+    return (f"registers {registers}, spill stores {spills}, HGMMA {counts['HGMMA']}, waits for all but one "
+            f"{counts['gsb0, 0x1']}, for all {counts['gsb0, 0x0']}, accumulator reads before a wait for all {early}")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tools.gemm_resources", description=__doc__.split("\n\n")[0])
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--digest", action="store_true", help="a hash of each kernel's PTX instead of its resources")
     which.add_argument("--before-wait", action="store_true",
                        help="the global loads the SASS issues before each wait (needs nvdisasm)")
+    which.add_argument("--specialized", action="store_true",
+                       help="the warp-specialised GEMM's wgmma waits in its SASS (needs nvdisasm)")
     args = parser.parse_args(argv)
+    if args.specialized:
+        for spec in (formats.native(4, 128), formats.native(fp4=True)):
+            for name, n, k, blocked in (("gemm1", 28672, 4096, True), ("gemm2", 4096, 14336, False)):
+                print(f"{spec.name:12s} {name} (N={n}, K={k}): {specialized_waits(spec, n, k, blocked)}", flush=True)
+        return
     report = digest if args.digest else loads_before_wait if args.before_wait else resources
     for spec, tile in CASES:
         print(f"{spec.name:12s} {tile}: {report(spec, tile)}", flush=True)
