@@ -28,7 +28,8 @@ from numba_kernels.stage_blocks import activate_blocks, gather_blocks
 from numba_kernels.weights import KernelWeights
 
 DEVICE = interop.kernel_device()
-# Blocks of 32 slots in two parts of up to 16 (widths 8 and 16); K = 256 goes round the ring twice.
+# Blocks of 32 slots in two parts of up to 16 (widths 8 and 16); K = 256 goes round the ring of
+# two stages twice, K = 192 once and a half (the last round, after the main loop, partial).
 TILE = SpecializedTile(block_m=32, max_width=16, width_step=8, stages=2)
 
 
@@ -47,7 +48,7 @@ def test_gather_gemm_activation_gemm_give_the_specs_product(spec):
     hidden @ w13 rounded to halves, gemm2's row of each slot act(gate) * up @ w2, and the
     padding's sentinel row is the only other row gemm2 writes."""
     rng = np.random.default_rng(0)
-    experts, hidden_size, intermediate, top_k = 3, 256, 128, 2
+    experts, hidden_size, intermediate, top_k = 3, 256, 192, 2
     w13, dense13 = _weights(spec, (experts, 2 * intermediate, hidden_size), rng)
     w2, dense2 = _weights(spec, (experts, hidden_size, intermediate), rng)
     ids = torch.tensor([[0, 1]] * 4 + [[0, 0]] * 8, dtype=torch.int32)  # expert 0: 20 slots, expert 1: 4
