@@ -125,11 +125,11 @@ decoded into registers an earlier mma reads), it serialises every wgmma of the k
 (warning C7513), so wait for the older group (``warpgroup_wait[1]``) before overwriting
 them. The read half it does not always keep: a ``warpgroup_wait[0]`` after a main loop
 that left a group in flight, in the block of the accumulators' stores, had the stores'
-reads placed above it in the SASS (``gemm_specialized``, seventy-second session), so wait
-for the last group in a last round peeled off the loop, straight-line code before the
-stores, and check the SASS (``python -m tools.gemm_resources --specialized``). The twin computes
-at issue and checks the shared half: it raises if an A or B tile changed between an mma
-and the wait that covers it.
+reads placed above it in the SASS (``gemm_specialized``, seventy-second session), so
+wait for the last group in a last round peeled off the loop, straight-line code before
+the stores, and check the SASS (``python -m tools.gemm_resources --specialized``). The
+twin computes at issue and checks the shared half: it raises if an A or B tile changed
+between an mma and the wait that covers it.
 
 This is the only module that reaches below Numba's public kernel API (the vector load is
 a Numba ``intrinsic``, like numba-cuda's own cache-hint loads); everything else in
