@@ -161,8 +161,13 @@ def _filled_backend(tile: GemmTile, config: MoEConfig, num_tokens: int) -> Backe
                    split_to_fill(tile, config, num_tokens, h, i))
 
 
+def slots_per_expert(config: MoEConfig, num_tokens: int) -> float:
+    """The slots an expert gets on average from `num_tokens` tokens: the oracle's regimes."""
+    return num_tokens * config.top_k / config.num_local_experts
+
+
 def _decode_backend(config: MoEConfig, num_tokens: int) -> Backend:
-    per_expert = num_tokens * config.top_k / config.num_local_experts
+    per_expert = slots_per_expert(config, num_tokens)
     tile = SWAPPED_DECODE_TILE if per_expert <= SWAP_TOKENS_PER_EXPERT else DECODE_TILE
     return _filled_backend(tile, config, num_tokens)
 
@@ -180,7 +185,7 @@ def _prefill_backend(config: MoEConfig, num_tokens: int) -> Backend:
     best for both GEMMs at Mixtral M = 1024, 4096 and Qwen3 M = 4096; at 64 slots per
     expert and fewer 32-row blocks 1.2x (Qwen3 M = 1024) to 2x (M = 256) faster; 128-row
     blocks 1.05 to 2x slower everywhere."""
-    per_expert = num_tokens * config.top_k / config.num_local_experts
+    per_expert = slots_per_expert(config, num_tokens)
     tile = PREFILL_TILE if per_expert > PREFILL_BLOCK_32_TOKENS_PER_EXPERT else attrs.evolve(PREFILL_TILE, block_m=32)
     return _filled_backend(tile, config, num_tokens)
 
@@ -189,16 +194,17 @@ SPECIALIZED_TOKENS_PER_EXPERT = (32, 80)
 """Expected slots an expert at which both GEMMs run warp-specialised (on Hopper): from
 tens of slots (the prefill tiles latency-bound) to as many as one CTA's part of a block
 takes (`SpecializedTile.max_width`; an expert of more takes a second part, decoding its
-weights again). Measured on the H200 (seventy-first session of benchmarks/LOG.md, the
-layer's GEMMs against its tiles): Mixtral M = 256 (64 an expert) 652 against 684 us
-(w4a16), the layer 667 against 718 (NVFP4: GEMMs 706 against 693, layer 718 against
-728); at 128 an expert (Mixtral M = 512) 1.16x slower."""
+weights again). Measured on the H200 (seventy-second session of benchmarks/LOG.md, the
+layer's GEMMs against its tiles): Mixtral M = 256 (64 an expert) 604 against 686 to 715
+us (w4a16; NVFP4 660 against 693); at 32 an expert Mixtral M = 128 520 against 634, but
+DeepSeek M = 1024 3932 against 3813 (its layer 4044 against 4071); at 128 an expert
+(Mixtral M = 512, seventy-first session) 1.16x slower."""
 SPECIALIZED_EXPERT_WEIGHTS = 8 << 20
 """Weights an expert (hidden x intermediate) from which it pays: an expert's stages are
 decoded once a part, which gains where an expert's weights are large. Measured on the
-H200 at 64 slots an expert (before the wgmma wait of `gemm_specialized`, which costs
-about 10 %): DeepSeek-V3 (14.7 M) 4.88 against 6.38 ms, Mixtral (58.7 M) 595 against 682
-us, Qwen3-30B-A3B (1.6 M) 360 against 329 us."""
+H200 at 64 slots an expert (seventy-first and seventy-second sessions, one wgmma group in
+flight): DeepSeek-V3 (14.7 M) 5.08 against 6.71 ms, Mixtral (58.7 M) 604 against 686 us,
+Qwen3-30B-A3B (1.6 M) 360 against 329 us."""
 USE_SPECIALIZED = os.environ.get("NUMBA_MOE_SPECIALIZED", "1") != "0"
 """NUMBA_MOE_SPECIALIZED=0: never the warp-specialised GEMM (what it buys, side by side)."""
 
@@ -230,14 +236,14 @@ def within_parts(config: MoEConfig, num_tokens: int) -> bool:
     """Whether `num_tokens` tokens give the experts at most a CTA's part of slots each, as
     expected (beyond, an expert's weights are decoded again a part: not taken, and the
     workspace is not sized for it, `specialized_slots`)."""
-    return num_tokens * config.top_k / config.num_local_experts <= SPECIALIZED_TOKENS_PER_EXPERT[1]
+    return slots_per_expert(config, num_tokens) <= SPECIALIZED_TOKENS_PER_EXPERT[1]
 
 
 def specialized_candidate(config: MoEConfig, num_tokens: int, spec: QuantSpec) -> bool:
     """Whether the tuner times the warp-specialised GEMM at `num_tokens` tokens: where it
     can run (`specialized_allowed`), in the prefill regime (more than
     DECODE_TOKENS_PER_EXPERT slots an expert) and `within_parts`."""
-    return (num_tokens * config.top_k / config.num_local_experts > DECODE_TOKENS_PER_EXPERT
+    return (slots_per_expert(config, num_tokens) > DECODE_TOKENS_PER_EXPERT
             and within_parts(config, num_tokens) and specialized_allowed(config, spec))
 
 
@@ -251,7 +257,7 @@ def specialized_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec) -> 
     """The untuned choice of the warp-specialised GEMM (`warp_specialised`): a candidate
     (`specialized_candidate`) where the token count (`SPECIALIZED_TOKENS_PER_EXPERT`) and
     the experts' size (`SPECIALIZED_EXPERT_WEIGHTS`) say so; else None."""
-    if (SPECIALIZED_TOKENS_PER_EXPERT[0] <= num_tokens * config.top_k / config.num_local_experts
+    if (SPECIALIZED_TOKENS_PER_EXPERT[0] <= slots_per_expert(config, num_tokens)
             and config.hidden_size * config.intermediate_size >= SPECIALIZED_EXPERT_WEIGHTS
             and specialized_candidate(config, num_tokens, spec)):
         return warp_specialised()
@@ -260,7 +266,7 @@ def specialized_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec) -> 
 
 def heuristic_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec | None = None) -> Backend:
     """The untuned choice; with `spec`, prefill tiles only where its weights can be staged."""
-    per_expert = num_tokens * config.top_k / config.num_local_experts
+    per_expert = slots_per_expert(config, num_tokens)
     decode = _decode_backend(config, num_tokens)
     if per_expert <= DECODE_TOKENS_PER_EXPERT:
         return decode

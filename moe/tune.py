@@ -57,13 +57,12 @@ from numba_kernels.align import align_sizes, moe_align_block_size
 from numba_kernels.combine import combine
 from numba_kernels.fragments import SLAB_K
 from numba_kernels.gemm import GemmTile, grouped_gemm
-from numba_kernels.gemm_specialized import STEP_K
 from numba_kernels.launch import replaying
 
 from .config import MoEConfig, QuantScheme
 from .oracle import (DECODE_TILE, SWAPPED_DECODE_TILE, Backend, activation_finishable, backend_from_dict,
                      backend_to_dict, device_architecture, device_name, heuristic_backend, select_backend, shape_key,
-                     shape_prefix, specialized_candidate, tuned_path, tuned_tables, warp_specialised)
+                     shape_prefix, slots_per_expert, specialized_candidate, tuned_path, tuned_tables, warp_specialised)
 from .runner import fused_activation, fused_combine, specialized_gemm1, specialized_gemm2
 from .weights import ExpertWeights, kernel_spec
 from .workspace import arrivals_elements, gemm_out_elements, gemm_view
@@ -103,7 +102,7 @@ def candidate_tiles(num_tokens: int, config: MoEConfig, k: int) -> list[GemmTile
     """Tiles worth timing for `num_tokens` tokens and reduction length `k` (some may not
     fit a layout or shared memory: `tune` skips those): the heuristic's, those the tables
     hold for the shape's other formats (`other_format_tiles`) and the families'."""
-    per_expert = num_tokens * config.top_k / config.num_local_experts
+    per_expert = slots_per_expert(config, num_tokens)
     slabs = -(-k // SLAB_K)
     tiles = heuristic_tiles(num_tokens, config, k) + other_format_tiles(num_tokens, config, k)
     for up_to, decode in DECODE_FAMILIES:
@@ -313,8 +312,7 @@ def tune(config: MoEConfig, token_counts: Iterable[int], *, measure: Measure | N
             activation, then the combine, as the layer runs them."""
             blocks = align_sizes(slots, config.num_experts, tile.block_m)[1]
             picks = torch.empty(blocks * tile.sub_blocks, dtype=torch.int32, device=device)
-            stage_blocks = torch.empty(picks.numel() * max(h, i) // STEP_K * tile.block_words(),
-                                       dtype=torch.int32, device=device)
+            stage_blocks = torch.empty(tile.stage_words(picks.numel(), max(h, i)), dtype=torch.int32, device=device)
             gemm1_out = torch.empty(blocks * tile.block_m, n1, dtype=half, device=device)
             gemm2_out = torch.empty(slots + 1, h, dtype=half, device=device)
 

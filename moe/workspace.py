@@ -18,7 +18,6 @@ from numba_kernels import interop
 from numba_kernels.align import align_sizes
 from numba_kernels.epilogue import arrivals_needed
 from numba_kernels.gemm import GemmTile
-from numba_kernels.gemm_specialized import STEP_K
 
 from .config import MoEConfig, check_config
 from .oracle import (Backend, fused_activation_kind, fused_combine_kind, select_backend, specialized_slots,
@@ -83,10 +82,9 @@ def specialized_elements(config: MoEConfig, backend: Backend, max_tokens: int) -
         return 0, 0, 0, 0
     slots = specialized_slots(config, max_tokens)
     blocks = align_sizes(slots, config.num_experts, tile.block_m)[1]
-    steps = max(config.hidden_size, config.intermediate_size) // STEP_K
     parts = blocks * tile.sub_blocks
     return (-(-blocks * tile.block_m * config.gate_up_size // 2), -(-(slots + 1) * config.hidden_size // 2),
-            parts * steps * tile.block_words(), parts)
+            tile.stage_words(parts, max(config.hidden_size, config.intermediate_size)), parts)
 
 
 def half_rows(buffer: torch.Tensor, rows: int, width: int, half: torch.dtype) -> torch.Tensor:

@@ -84,6 +84,10 @@ class SpecializedTile:
         """int32 words of a stage of a part's activations, at the widest width."""
         return STAGE_SLABS * self.max_width * 8
 
+    def stage_words(self, parts: int, k: int) -> int:
+        """int32 words of the stage blocks of `parts` parts over K = k (`stage_blocks`)."""
+        return parts * (k // STEP_K) * self.block_words()
+
 
 def specialized_supported(spec, n: int, k: int, half: str) -> bool:
     """Whether weights `spec` of shape (n, k) an expert can run on the warp-specialised
@@ -323,7 +327,7 @@ def check_stage_blocks(name: str, blocks, parts: int, k: int, tile: SpecializedT
     """`blocks` checked as the stage blocks of `parts` parts over K = k (int32, 1-D, large
     enough): what the gather writes and a GEMM of that K reads."""
     blocks = interop.check_tensor(name, blocks, dtype=torch.int32, ndim=1)
-    needed = parts * (k // STEP_K) * tile.block_words()
+    needed = tile.stage_words(parts, k)
     if blocks.numel() < needed:
         raise ValueError(f"{name} must hold {needed} int32 words ({parts} parts x {k // STEP_K} stages of "
                          f"{tile.block_words()}), got {blocks.numel()}")
