@@ -1,12 +1,14 @@
 """The warp-specialised GEMM against the layer's tiles, side by side in one process, on the GPU:
 
-    python3 benchmarks/specialized_ab.py --jobs mixtral:w4a16-g128:256 mixtral:nvfp4:256 [--rounds 2]
+    python3 benchmarks/specialized_ab.py --jobs mixtral:w4a16-g128:256 mixtral:nvfp4:256 [--rounds 2] \
+        [--variant a_buffers=3 stages=4]
 
 For each job (shape:format:M, as `compare_trees.py` names them) one layer and one routed
 batch, run two ways: the oracle's warp-specialised backend (`moe.oracle.specialized_backend`,
 `numba_kernels.gemm_specialized`) and the backend it picks without it (the tuned entry or
-the heuristic's tiles). First the two layers' outputs are compared (largest difference
-over the largest output); then, round by round, each way's two GEMMs as `bench_moe.py`
+the heuristic's tiles); with `--variant`, a third: the warp-specialised GEMM with those
+fields of its `SpecializedTile` changed. First the outputs are compared with the tiles'
+(largest difference over the largest output); then, round by round, each way's two GEMMs as `bench_moe.py`
 times them (replayed from a CUDA graph, the L2 flushed, best of three medians; the
 warp-specialised pair with its gather and activation kernels) and its whole layer. A job
 the warp-specialised GEMM does not take (its shape, format or slots an expert) is timed
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 
+import attrs
 import torch
 
 import numba_kernels  # noqa: F401  (before numba: no simulator on a GPU machine)
@@ -24,47 +27,68 @@ import moe.oracle
 from bench_moe import FORMATS, SHAPES, Timer, best_times, routing_for
 from compare_trees import parse_job
 from moe import MoEConfig, MoELayer
+from numba_kernels.gemm_specialized import SpecializedTile
+
+DEFAULT_TILE = moe.oracle.SPECIALIZED_TILE
 
 
-def time_way(timer, layer, hidden, logits, topk_weights, topk_ids) -> tuple[float, float, str]:
-    """(GEMMs us, layer us, backend) of `layer` as the oracle now chooses."""
-    gemm_ms, layer_ms, backend = best_times(timer, layer, hidden, logits, topk_weights, topk_ids)
-    return gemm_ms * 1e3, layer_ms * 1e3, "warp-specialised" if backend.specialized else "tiles"
+def choose(tile: SpecializedTile | None) -> None:
+    """The oracle's choice from now on: the warp-specialised GEMM with `tile`, or (None) without it."""
+    moe.oracle.USE_SPECIALIZED = tile is not None
+    moe.oracle.SPECIALIZED_TILE = tile or DEFAULT_TILE
 
 
-def run_job(timer, job: str, rounds: int) -> None:
+def time_way(timer, layer, hidden, logits, topk_weights, topk_ids) -> tuple[float, float]:
+    """(GEMMs us, layer us) of `layer` as the oracle now chooses."""
+    gemm_ms, layer_ms, _ = best_times(timer, layer, hidden, logits, topk_weights, topk_ids)
+    return gemm_ms * 1e3, layer_ms * 1e3
+
+
+def run_job(timer, job: str, rounds: int, variant: SpecializedTile | None) -> None:
     shape, format_name, tokens = parse_job(job)
     config = MoEConfig(**SHAPES[shape], quant=FORMATS[format_name])
+    ways = {"warp-specialised": DEFAULT_TILE, "tiles": None}
+    if variant is not None:
+        ways = {"warp-specialised": DEFAULT_TILE, f"variant {variant}": variant, "tiles": None}
     layers = {}
-    for way in (True, False):  # each way a workspace of its own (its recorded forwards)
-        moe.oracle.USE_SPECIALIZED = True  # so that both workspaces hold both ways' buffers
-        layers[way] = MoELayer(config, max_tokens=tokens)
-    layers[True].weights.fill_random(seed=1)
-    layers[False].weights = layers[True].weights
+    for name in ways:  # each way a workspace of its own (its recorded forwards)
+        choose(DEFAULT_TILE)  # so that every workspace holds both kinds of buffers
+        layers[name] = MoELayer(config, max_tokens=tokens)
+    layers["tiles"].weights.fill_random(seed=1)
+    for layer in layers.values():
+        layer.weights = layers["tiles"].weights
     generator = torch.Generator(device="cuda").manual_seed(tokens)
     hidden = torch.randn(tokens, config.hidden_size, generator=generator, device="cuda").to(torch.bfloat16)
     logits, topk_weights, topk_ids = routing_for(config, tokens, generator)
-    if moe.oracle.specialized_backend(config, tokens, layers[True].weights.spec) is None:
+    if moe.oracle.specialized_backend(config, tokens, layers["tiles"].weights.spec) is None:
         print(f"{job}: the warp-specialised GEMM does not take it; the tiles timed once")
-        moe.oracle.USE_SPECIALIZED = False
-        gemm_us, layer_us, name = time_way(timer, layers[False], hidden, logits, topk_weights, topk_ids)
-        print(f"  {name:16s} GEMMs {gemm_us:9.1f} us   layer {layer_us:9.1f} us", flush=True)
-        rounds = 0
+        ways, rounds = {"tiles": None}, 1
     else:
         outputs = {}
-        for way, layer in layers.items():
-            moe.oracle.USE_SPECIALIZED = way
-            outputs[way] = layer(hidden, logits).float()
-        difference = float((outputs[True] - outputs[False]).abs().max() / outputs[False].abs().max())
-        print(f"{job}: outputs differ by {difference:.1e} of the largest", flush=True)
+        for name, tile in ways.items():
+            choose(tile)
+            outputs[name] = layers[name](hidden, logits).float()
+        largest = outputs["tiles"].abs().max()
+        for name in ways:
+            if name != "tiles":
+                difference = float((outputs[name] - outputs["tiles"]).abs().max() / largest)
+                print(f"{job}: {name}'s outputs differ from the tiles' by {difference:.1e} of the largest", flush=True)
     for round_ in range(rounds):
-        for way, layer in layers.items():
-            moe.oracle.USE_SPECIALIZED = way
-            gemm_us, layer_us, name = time_way(timer, layer, hidden, logits, topk_weights, topk_ids)
+        for name, tile in ways.items():
+            choose(tile)
+            gemm_us, layer_us = time_way(timer, layers[name], hidden, logits, topk_weights, topk_ids)
             print(f"  round {round_ + 1} {name:16s} GEMMs {gemm_us:9.1f} us   layer {layer_us:9.1f} us", flush=True)
-    moe.oracle.USE_SPECIALIZED = True
+    choose(DEFAULT_TILE)
     del layers
     torch.cuda.empty_cache()
+
+
+def parse_variant(fields: list[str]) -> SpecializedTile:
+    """`--variant`'s KEY=VALUE fields as a SpecializedTile (the default's other fields)."""
+    try:
+        return attrs.evolve(DEFAULT_TILE, **{key: int(value) for key, value in (f.split("=") for f in fields)})
+    except (TypeError, ValueError) as error:
+        raise argparse.ArgumentTypeError(f"--variant takes SpecializedTile fields as KEY=INT: {error}") from None
 
 
 def main(argv=None) -> None:
@@ -75,9 +99,15 @@ def main(argv=None) -> None:
     parser.add_argument("--window", type=float, nargs=2, metavar=("LOW", "HIGH"),
                         help="slots an expert at which the oracle takes the warp-specialised GEMM (default "
                              f"{moe.oracle.SPECIALIZED_TOKENS_PER_EXPERT}): to time it beyond")
+    parser.add_argument("--variant", nargs="+", metavar="FIELD=VALUE",
+                        help="also time the warp-specialised GEMM with these SpecializedTile fields changed")
     args = parser.parse_args(argv)
     for job in args.jobs:
         parse_job(job)
+    try:
+        variant = parse_variant(args.variant) if args.variant else None
+    except argparse.ArgumentTypeError as error:
+        parser.error(str(error))
     if not torch.cuda.is_available():
         parser.error("it times kernels on a CUDA GPU and none is available here (the warp-specialised GEMM's "
                      "checks run in the simulator: tests/test_specialized.py)")
@@ -86,7 +116,7 @@ def main(argv=None) -> None:
     timer = Timer()
     print(f"{torch.cuda.get_device_name()}")
     for job in args.jobs:
-        run_job(timer, job, args.rounds)
+        run_job(timer, job, args.rounds, variant)
 
 
 if __name__ == "__main__":

@@ -224,9 +224,8 @@ def specialized_allowed(config: MoEConfig, spec: QuantSpec) -> bool:
     """Whether the warp-specialised GEMM can run this layer here: on Hopper
     (`specialized_device`, unless NUMBA_MOE_SPECIALIZED=0), the native layout in whole
     panels and stages (`gemm_specialized.specialized_supported`), not act-order (whose
-    inputs are permuted per expert), all experts on this rank (it writes no zeros for the
-    slots of experts held by another rank, as the tiles do)."""
-    if not (USE_SPECIALIZED and specialized_device()) or permutes_inputs(config) or config.expert_map is not None:
+    inputs are permuted per expert)."""
+    if not (USE_SPECIALIZED and specialized_device()) or permutes_inputs(config):
         return False
     h, i, n1 = config.hidden_size, config.intermediate_size, config.gate_up_size
     return all(specialized_supported(spec, n, k, config.dtype) for n, k in ((n1, h), (h, i)))
@@ -247,8 +246,15 @@ def specialized_candidate(config: MoEConfig, num_tokens: int, spec: QuantSpec) -
             and within_parts(config, num_tokens) and specialized_allowed(config, spec))
 
 
-def warp_specialised(tile: SpecializedTile = SpecializedTile()) -> Backend:
-    """The backend of both GEMMs warp-specialised with `tile` (its tiles never run)."""
+SPECIALIZED_TILE = SpecializedTile()
+"""The warp-specialised GEMM's configuration where no tuned entry names one (a module
+constant, so that `benchmarks/specialized_ab.py` can time another beside it)."""
+
+
+def warp_specialised(tile: SpecializedTile | None = None) -> Backend:
+    """The backend of both GEMMs warp-specialised with `tile` (SPECIALIZED_TILE by
+    default; its prefill tiles never run)."""
+    tile = SPECIALIZED_TILE if tile is None else tile
     unused = attrs.evolve(PREFILL_TILE, block_m=tile.block_m)
     return Backend(tile.block_m, unused, unused, tile)
 

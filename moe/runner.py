@@ -194,7 +194,11 @@ def specialized_gemm1(config: MoEConfig, weights: ExpertWeights, hidden_states: 
 
 def specialized_gemm2(weights: ExpertWeights, alignment: tuple, tile, picks: torch.Tensor, stage_blocks: torch.Tensor,
                       gemm2_out: torch.Tensor) -> None:
-    """gemm2 of a warp-specialised backend: a row a slot (and the padding's spare row)."""
+    """gemm2 of a warp-specialised backend: a row a slot (and the padding's spare row).
+    With an expert map no CTA writes the rows of the slots routed to another rank's
+    experts (their blocks have no parts): they are zeroed first, for the combine."""
+    if weights.config.expert_map is not None:
+        gemm2_out.zero_()
     specialized_gemm(stage_blocks, weights.w2, picks, alignment[1], alignment[0], gemm2_out, tile, blocked=False,
                      check_ids=False)
 
