@@ -1,18 +1,18 @@
 """The warp-specialised GEMM against the layer's tiles, side by side in one process, on the GPU:
 
     python3 benchmarks/specialized_ab.py --jobs mixtral:w4a16-g128:256 mixtral:nvfp4:256 [--rounds 2] \
-        [--variant a_buffers=3 stages=4]
+        [--variant max_width=64 stages=3]
 
 For each job (shape:format:M, as `compare_trees.py` names them) one layer and one routed
 batch, run two ways: the oracle's warp-specialised backend (`moe.oracle.specialized_backend`,
 `numba_kernels.gemm_specialized`) and the backend it picks without it (the tuned entry or
 the heuristic's tiles); with `--variant`, a third: the warp-specialised GEMM with those
 fields of its `SpecializedTile` changed. First the outputs are compared with the tiles'
-(largest difference over the largest output); then, round by round, each way's two GEMMs as `bench_moe.py`
-times them (replayed from a CUDA graph, the L2 flushed, best of three medians; the
-warp-specialised pair with its gather and activation kernels) and its whole layer. A job
-the warp-specialised GEMM does not take (its shape, format or slots an expert) is timed
-once, and says so.
+(largest difference over the largest output); then, round by round, each way's two GEMMs
+as `bench_moe.py` times them (replayed from a CUDA graph, the L2 flushed, best of three
+medians; the warp-specialised pair with its gather and activation kernels) and its whole
+layer. A job the warp-specialised GEMM does not take (its shape, format or slots an
+expert) is timed once, and says so.
 """
 
 from __future__ import annotations
@@ -47,9 +47,8 @@ def time_way(timer, layer, hidden, logits, topk_weights, topk_ids) -> tuple[floa
 def run_job(timer, job: str, rounds: int, variant: SpecializedTile | None) -> None:
     shape, format_name, tokens = parse_job(job)
     config = MoEConfig(**SHAPES[shape], quant=FORMATS[format_name])
-    ways = {"warp-specialised": DEFAULT_TILE, "tiles": None}
-    if variant is not None:
-        ways = {"warp-specialised": DEFAULT_TILE, f"variant {variant}": variant, "tiles": None}
+    variants = {} if variant is None else {f"variant {variant}": variant}
+    ways = {"warp-specialised": DEFAULT_TILE, **variants, "tiles": None}
     layers = {}
     for name in ways:  # each way a workspace of its own (its recorded forwards)
         choose(DEFAULT_TILE)  # so that every workspace holds both kinds of buffers
