@@ -6,6 +6,7 @@ import importlib
 import pathlib
 import sys
 
+import attrs
 import pytest
 import torch
 
@@ -101,6 +102,23 @@ def test_a_timing_script_without_a_gpu_says_it_needs_one(name, argv, monkeypatch
     finally:
         sys.modules.pop(name, None)
     assert "on a CUDA GPU and none is available" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fields, says", [(["a_buffers=3"], "unexpected keyword argument 'a_buffers'"),
+                                          (["stages=1"], "stages in [2, 7]"), (["stages"], "KEY=INT")])
+def test_specialized_ab_names_a_bad_variant(fields, says, monkeypatch, capsys):
+    """`--variant` takes SpecializedTile fields as KEY=INT; anything else fails by name,
+    before any GPU is looked for."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    try:
+        ab = importlib.import_module("specialized_ab")
+        assert ab.parse_variant(["stages=3", "max_width=64"]) == attrs.evolve(ab.DEFAULT_TILE, stages=3, max_width=64)
+        with pytest.raises(SystemExit):
+            ab.main(["--variant", *fields])
+    finally:
+        sys.modules.pop("specialized_ab", None)
+    err = capsys.readouterr().err
+    assert "--variant takes SpecializedTile fields as KEY=INT" in err and says in err
 
 
 def test_replay_stress_says_where_outputs_differ_and_changes_the_oracles_tiles(monkeypatch):
