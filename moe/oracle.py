@@ -162,8 +162,10 @@ def _filled_backend(tile: GemmTile, config: MoEConfig, num_tokens: int) -> Backe
 
 
 def slots_per_expert(config: MoEConfig, num_tokens: int) -> float:
-    """The slots an expert gets on average from `num_tokens` tokens: the oracle's regimes."""
-    return num_tokens * config.top_k / config.num_local_experts
+    """The slots an expert gets on average from `num_tokens` tokens: the oracle's regimes.
+    Over all experts, this rank's or another's: with an expert map the layer still routes
+    every token, and a local expert gets its share of them, not the rank's."""
+    return num_tokens * config.top_k / config.num_experts
 
 
 def _decode_backend(config: MoEConfig, num_tokens: int) -> Backend:
@@ -212,7 +214,7 @@ USE_SPECIALIZED = os.environ.get("NUMBA_MOE_SPECIALIZED", "1") != "0"
 def specialized_slots(config: MoEConfig, max_tokens: int) -> int:
     """The most slots of a call of up to `max_tokens` tokens that `specialized_backend`
     may take (what the workspace sizes its buffers for)."""
-    return min(max_tokens * config.top_k, int(SPECIALIZED_TOKENS_PER_EXPERT[1] * config.num_local_experts))
+    return min(max_tokens * config.top_k, int(SPECIALIZED_TOKENS_PER_EXPERT[1] * config.num_experts))
 
 
 def specialized_device() -> bool:
@@ -413,7 +415,7 @@ def select_batched_backend(config: MoEConfig, tokens_per_expert: int, spec: Quan
     `tokens_per_expert` per local expert (the block size follows the tokens per expert)."""
     if tokens_per_expert < 1:
         raise ValueError(f"tokens_per_expert must be positive, got {tokens_per_expert}")
-    equivalent = -(-tokens_per_expert * config.num_local_experts // config.top_k)
+    equivalent = -(-tokens_per_expert * config.num_experts // config.top_k)
     return select_backend(config, equivalent, spec, specialized=False)
 
 

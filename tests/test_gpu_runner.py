@@ -372,8 +372,8 @@ def test_warp_specialised_layer_matches_the_reference(quant, monkeypatch):
 
 
 def test_warp_specialised_expert_parallel_ranks_sum_to_the_layer(monkeypatch):
-    """Two ranks of four experts each at 64 slots a local expert: each rank's layer runs
-    warp-specialised, recorded and replayed, and the ranks' outputs sum to the full
+    """Two ranks of four experts each, 128 tokens (32 slots an expert): each rank's layer
+    runs warp-specialised, recorded and replayed, and the ranks' outputs sum to the full
     layer's float64 definition (the other rank's slots add nothing)."""
     monkeypatch.setattr(moe.oracle, "SPECIALIZED_EXPERT_WEIGHTS", 0)
     shape = dict(num_experts=8, top_k=2, hidden_size=1024, intermediate_size=512, quant=QuantScheme("gptq"))

@@ -118,26 +118,26 @@ def test_layer_takes_the_warp_specialised_gemm_on_hopper_and_replays_it(monkeypa
 
 
 def test_expert_parallel_ranks_sum_to_the_full_layer(monkeypatch):
-    """Two ranks of two experts each, 36 tokens (36 slots a local expert, as the oracle
-    counts): each rank's layer runs warp-specialised, and their outputs sum to the full
-    layer's float64 definition. No CTA writes gemm2's rows of the slots routed to the
-    other rank (poisoned here): the layer zeroes them for the combine."""
+    """Two ranks of two experts each, 72 tokens (36 slots an expert): each rank's layer
+    runs warp-specialised, and their outputs sum to the full layer's float64 definition.
+    No CTA writes gemm2's rows of the slots routed to the other rank (poisoned here): the
+    layer zeroes them for the combine."""
     _as_on_hopper(monkeypatch)
     full_config = _tiny_config(num_experts=4)
     checkpoint = random_checkpoint(full_config, np.random.default_rng(2))
     rng = np.random.default_rng(3)
-    hidden = torch.from_numpy(rng.standard_normal((36, 128))).to(torch.bfloat16)
-    logits = torch.from_numpy(rng.standard_normal((36, 4)).astype(np.float32))
-    total = np.zeros((36, 128))
+    hidden = torch.from_numpy(rng.standard_normal((72, 128))).to(torch.bfloat16)
+    logits = torch.from_numpy(rng.standard_normal((72, 4)).astype(np.float32))
+    total = np.zeros((72, 128))
     for rank in range(2):
         owned = [e for e in range(4) if e % 2 == rank]
         config = _tiny_config(num_experts=4, expert_map=[owned.index(e) if e in owned else -1 for e in range(4)])
-        backend = select_backend(config, 36, kernel_spec(config))
+        backend = select_backend(config, 72, kernel_spec(config))
         assert backend.specialized == SpecializedTile()
-        layer = MoELayer(config, max_tokens=36)
+        layer = MoELayer(config, max_tokens=72)
         layer.load_weights(*({name: value[owned] for name, value in w.items()} for w in
                              (checkpoint.w1, checkpoint.w2, checkpoint.w3)))
-        layer.workspace.buffers(36, backend).gemm2_out.fill_(float("nan"))
+        layer.workspace.buffers(72, backend).gemm2_out.fill_(float("nan"))
         total += layer(hidden.to(DEVICE), logits.to(DEVICE)).float().cpu().numpy()
     expected = reference_moe(full_config, hidden.float().numpy(), checkpoint.dense_w13, checkpoint.dense_w2,
                              router_logits=logits.numpy())
@@ -163,6 +163,10 @@ def test_oracle_takes_it_only_where_device_slots_and_weights_allow(monkeypatch):
     act_order = _tiny_config(QuantScheme("gptq", bits=4, group_size=64, act_order=True))
     assert select_backend(act_order, 36, kernel_spec(act_order)).specialized is None  # inputs permuted per expert
     assert moe.oracle.specialized_backend(config, 36, formats.marlin(4, 64)) is None  # not the native layout
+    ranked = _tiny_config(num_experts=4, expert_map=[0, -1, 1, -1])  # all tokens routed, half of them here
+    assert moe.oracle.slots_per_expert(ranked, 72) == 36
+    assert select_backend(ranked, 72, kernel_spec(ranked)).specialized is not None
+    assert select_backend(ranked, 36, kernel_spec(ranked)).specialized is None  # 18 slots an expert, not 36
     odd = _tiny_config(hidden_size=192)  # w2's 192 features: not whole panels of 128
     assert select_backend(odd, 36, kernel_spec(odd)).specialized is None
     monkeypatch.setattr(moe.oracle, "USE_SPECIALIZED", False)
