@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from fusing import SeparateReductions, evolve_every_tile, fuse_every_tile
+from ranks import rank_layers
 
 import moe.oracle
 from moe import BatchedWorkspace, MoEConfig, MoELayer, QuantScheme, batched_moe, fused_moe, select_backend
@@ -376,19 +377,13 @@ def test_warp_specialised_expert_parallel_ranks_sum_to_the_layer(monkeypatch):
     runs warp-specialised, recorded and replayed, and the ranks' outputs sum to the full
     layer's float64 definition (the other rank's slots add nothing)."""
     monkeypatch.setattr(moe.oracle, "SPECIALIZED_EXPERT_WEIGHTS", 0)
-    shape = dict(num_experts=8, top_k=2, hidden_size=1024, intermediate_size=512, quant=QuantScheme("gptq"))
-    full = MoEConfig(**shape)
+    full = MoEConfig(num_experts=8, top_k=2, hidden_size=1024, intermediate_size=512, quant=QuantScheme("gptq"))
     checkpoint = random_checkpoint(full, np.random.default_rng(2))
     hidden, logits = _inputs(full, 128, 3)
     total = 0
-    for rank in range(2):
-        owned = [e for e in range(8) if e % 2 == rank]
-        config = MoEConfig(**shape, expert_map=[owned.index(e) if e in owned else -1 for e in range(8)])
-        if select_backend(config, 128, kernel_spec(config)).specialized is None:
+    for layer in rank_layers(full, checkpoint, 2, max_tokens=128):
+        if select_backend(layer.config, 128, kernel_spec(layer.config)).specialized is None:
             pytest.skip("the warp-specialised GEMM runs on sm_90 only")
-        layer = MoELayer(config, max_tokens=128)
-        layer.load_weights(*({name: value[owned] for name, value in w.items()} for w in
-                             (checkpoint.w1, checkpoint.w2, checkpoint.w3)))
         layer(hidden, logits)  # recorded; the replay below is what counts
         total = total + layer(hidden, logits).float()
     expected = reference_moe(full, hidden.float().cpu().numpy(), checkpoint.dense_w13, checkpoint.dense_w2,

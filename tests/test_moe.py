@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from fusing import evolve_every_tile
+from ranks import rank_layers
 
 from layouts import formats
 from moe import (LoRAAdapter, LoRAHooks, MoEConfig, MoELayer, QuantScheme, Workspace, WorkspaceTooSmall, fused_moe,
@@ -123,13 +124,7 @@ def test_expert_parallel_ranks_sum_to_the_full_layer():
     checkpoint = random_checkpoint(full_config, np.random.default_rng(7))
     hidden, logits = _inputs(full_config, 3, seed=4)
     total = np.zeros((3, full_config.hidden_size))
-    for rank in range(2):
-        owned = [e for e in range(full_config.num_experts) if e % 2 == rank]
-        expert_map = [owned.index(e) if e in owned else -1 for e in range(full_config.num_experts)]
-        config = MoEConfig(**base, expert_map=expert_map)
-        layer = MoELayer(config, max_tokens=4)
-        layer.load_weights(*({name: value[owned] for name, value in w.items()} for w in
-                             (checkpoint.w1, checkpoint.w2, checkpoint.w3)))
+    for layer in rank_layers(full_config, checkpoint, 2, max_tokens=4):
         total += layer(hidden.to(DEVICE), logits.to(DEVICE)).float().cpu().numpy()
     expected = reference_moe(full_config, hidden.float().numpy(), checkpoint.dense_w13, checkpoint.dense_w2,
                              router_logits=logits.numpy())

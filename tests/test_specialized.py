@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from fusing import SeparateReductions
+from ranks import rank_layers
 
 import moe.oracle
 from layouts import formats
@@ -129,14 +130,9 @@ def test_expert_parallel_ranks_sum_to_the_full_layer(monkeypatch):
     hidden = torch.from_numpy(rng.standard_normal((72, 128))).to(torch.bfloat16)
     logits = torch.from_numpy(rng.standard_normal((72, 4)).astype(np.float32))
     total = np.zeros((72, 128))
-    for rank in range(2):
-        owned = [e for e in range(4) if e % 2 == rank]
-        config = _tiny_config(num_experts=4, expert_map=[owned.index(e) if e in owned else -1 for e in range(4)])
-        backend = select_backend(config, 72, kernel_spec(config))
+    for layer in rank_layers(full_config, checkpoint, 2, max_tokens=72):
+        backend = select_backend(layer.config, 72, kernel_spec(layer.config))
         assert backend.specialized == SpecializedTile()
-        layer = MoELayer(config, max_tokens=72)
-        layer.load_weights(*({name: value[owned] for name, value in w.items()} for w in
-                             (checkpoint.w1, checkpoint.w2, checkpoint.w3)))
         layer.workspace.buffers(72, backend).gemm2_out.fill_(float("nan"))
         total += layer(hidden.to(DEVICE), logits.to(DEVICE)).float().cpu().numpy()
     expected = reference_moe(full_config, hidden.float().numpy(), checkpoint.dense_w13, checkpoint.dense_w2,

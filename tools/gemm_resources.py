@@ -42,11 +42,11 @@ from .ptx_check import compile_kernel, sass  # first: numba_kernels would pick t
 
 from layouts import QuantSpec, formats  # noqa: E402
 from layouts.samples import random_quantized  # noqa: E402
-from moe.oracle import DECODE_TILE, PREFILL_TILE, SWAPPED_DECODE_TILE, writes_partials  # noqa: E402
+from moe.oracle import DECODE_TILE, PREFILL_TILE, SPECIALIZED_TILE, SWAPPED_DECODE_TILE, writes_partials  # noqa: E402
 from numba_kernels.activation import Activation  # noqa: E402
 from numba_kernels.epilogue import activation_kind, combine_kind  # noqa: E402
 from numba_kernels.gemm import GemmTile, make_grouped_gemm, stores_pairs  # noqa: E402
-from numba_kernels.gemm_specialized import SpecializedTile, make_specialized_kernel  # noqa: E402
+from numba_kernels.gemm_specialized import make_specialized_kernel  # noqa: E402
 
 DECODE = attrs.evolve(DECODE_TILE, split_k=2)
 SWAPPED = attrs.evolve(SWAPPED_DECODE_TILE, split_k=2, fused_reduction=True)
@@ -142,8 +142,8 @@ def loads_before_wait(spec: QuantSpec, tile: GemmTile) -> str:
 
 def specialized_waits(spec: QuantSpec, n: int, k: int, blocked: bool) -> str:
     """Registers, HGMMA, waits and accumulator reads before a full wait in the SASS of the
-    warp-specialised GEMM for weights (n, k) an expert."""
-    kernel, _, _ = make_specialized_kernel(spec, n, k, "bfloat16", SpecializedTile(), blocked)
+    warp-specialised GEMM (the oracle's tile) for weights (n, k) an expert."""
+    kernel, _, _ = make_specialized_kernel(spec, n, k, "bfloat16", SPECIALIZED_TILE, blocked)
     ids = np.zeros(16, np.int32)
     compiled = compile_kernel(kernel, ids, _kernel_arrays(spec, (2, 256, 256)), ids, ids, ids,
                               np.zeros((16, n), np.int16))
