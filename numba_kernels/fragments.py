@@ -192,7 +192,10 @@ def fast_path_supported(spec: QuantSpec, half: str) -> bool:
 class FragmentReader:
     """The five device functions of the module docstring, plus how many raw words `fetch`
     returns per lane (4 for 4-bit Marlin tiles, 8 for 8-bit, plus the scale words it
-    prefetches; 1 for index maps)."""
+    prefetches; 1 for index maps); with prefetched scales, `decode_group(raw, frags,
+    first)`: frags[first .. first + 3], the four registers of n16 group 0 alone (a warp of
+    a warpgroup supplies one group, 16 rows, of wgmma's A; `StagedWeights.fetch_group`
+    hands it its group's words as if they were group 0's)."""
 
     group_of_slab: object
     column_params: object
@@ -201,6 +204,7 @@ class FragmentReader:
     output_scale: object
     raw_words: int
     deferred: "DeferredScales | None" = None
+    decode_group: object = None
 
 
 @attrs.frozen
@@ -578,21 +582,35 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
                            uint32(0x4040 + byte + ((byte + 1) << 8)))
         return spread << uint32(ue5m3_shift)
 
+    def lane_decoder(groups: int):
+        """Device function (raw, frags, first): frags[first + 4 j + 2 h + r] for the first
+        `groups` n16 groups j, from prefetched scales (`lane`)."""
+
+        @device
+        def decode_lane(raw, frags, first):
+            if fp4:  # e2m1 bits times (scale, scale) picked from the two columns' pair
+                for pair in range(groups):
+                    scales = fp4_scales(raw, pair)
+                    for r in range(2):
+                        frags[first + 4 * pair + r] = fma2_low(fp4_bits(raw, 2 * pair, r), scales, zero_pair)
+                        frags[first + 4 * pair + 2 + r] = fma2_high(fp4_bits(raw, 2 * pair + 1, r), scales, zero_pair)
+                return
+            for column in range(2 * groups):
+                scale_pair, offset_pair = lane_scale_pair(raw, column), lane_offset_pair(raw, column)
+                for r in range(2):
+                    frags[first + 2 * column + r] = int_pair(raw, column, r, scale_pair, offset_pair)
+
+        return decode_lane
+
+    decode_slab, decode_group = lane_decoder(4), lane_decoder(1)
+
     @device
     def decode(raw, params, weights, e, slab, chunk, lane_id, frags):
-        if fp4 and scale_words:  # e2m1 bits times (scale, scale) picked from the two columns' pair
-            for pair in range(4):
-                scales = fp4_scales(raw, pair)
-                for r in range(2):
-                    frags[4 * pair + r] = fma2_low(fp4_bits(raw, 2 * pair, r), scales, zero_pair)
-                    frags[4 * pair + 2 + r] = fma2_high(fp4_bits(raw, 2 * pair + 1, r), scales, zero_pair)
+        if scale_words:
+            decode_slab(raw, frags, 0)
             return
         for column in range(8):
-            if scale_words:
-                scale_pair = lane_scale_pair(raw, column)
-                offset_pair = lane_offset_pair(raw, column)  # integer codes: fp4 returned above
-            else:
-                scale_pair, offset_pair = params[2 * column], params[2 * column + 1]
+            scale_pair, offset_pair = params[2 * column], params[2 * column + 1]
             for r in range(2):
                 if fp4:
                     frags[2 * column + r] = fp4_pair(raw, column, r, scale_pair)
@@ -633,7 +651,8 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
                                   spec.group_size // SLAB_K if spec.group_size else None)
 
     return FragmentReader(_group_of_slab(spec) if not scale_words else _no_groups(), column_params, fetch, decode,
-                          output_scale, words_per_lane + scale_words + zero_words, deferred)
+                          output_scale, words_per_lane + scale_words + zero_words, deferred,
+                          decode_group if scale_words else None)
 
 
 @attrs.frozen
@@ -661,7 +680,13 @@ class StagedWeights:
         of `chunks`): straight-line, a copy a tensor (`ptx.bulk_copy`, counted on the
         mbarrier at word `barrier`, which the caller has told to expect `4 * stage_words`
         bytes), no copy instructions or addresses in the other threads; None where the
-        chunks cannot be one panel.
+        chunks cannot be one panel;
+    fetch_group(tiles, buffer, local_slab, local_chunk, lane, group, raw) and
+    fetch_group_scales(...): `fetch`'s codes, and its scales and zero points, of the
+        slab-chunk's n16 group `group` alone, placed as group 0's are (for
+        `FragmentReader.decode_group`); the scales change every `scale_slabs` slabs of a
+        stage, and raw keeps them in between. fetch_group_scales is None where a group's
+        zero points are not one shift of the word from group 0's.
     """
 
     stage_words: int
@@ -672,6 +697,9 @@ class StagedWeights:
     copy_partial: object
     fetch: object
     copy_panel: object
+    fetch_group: object
+    fetch_group_scales: object
+    scale_slabs: int
 
 
 @attrs.frozen
@@ -830,6 +858,36 @@ def staged_weights(spec: QuantSpec, n: int, k: int, half: str, chunks: int, slab
             raw[words_per_lane + scale_words] = shared1(tiles, base + weight_words + scale_total + column * 8
                                                                 + lane_id // 4)
 
+    # A group's two columns' zero points go where group 0's are: one shift of the word
+    # where the groups' nibbles are a fixed distance apart (the native layout's are 4).
+    zero_shifts = lane.zero_shifts or (0,) * 8
+    distance = zero_shifts[2] - zero_shifts[0]
+    zeros_shift = distance >= 0 and all(zero_shifts[2 * j + h] - zero_shifts[h] == j * distance
+                                        for j in range(4) for h in range(2))
+    group_shift = uint32(max(distance, 0))
+
+    @device
+    def fetch_group(tiles, buffer, local_slab, local_chunk, lane_id, group, raw):
+        first = (buffer * stage_words + (local_slab * chunks + local_chunk) * words_per_chunk
+                 + lane_id * words_per_lane + group * (words_per_lane // 4))
+        if words_per_lane == 4:
+            raw[0] = shared1(tiles, first)
+        else:
+            raw[0], raw[1] = shared2(tiles, first)
+
+    @device
+    def fetch_group_scales(tiles, buffer, local_slab, local_chunk, lane_id, group, raw):
+        base = buffer * stage_words
+        column = (local_slab * SLAB_K // group_size if stage_groups > 1 else 0) * chunks + local_chunk
+        scales = base + weight_words + column * chunk_scale_words + (lane_id // 4) * scale_words
+        if scale_words == 4:  # 16-bit scales: group j's two in word j
+            raw[words_per_lane] = shared1(tiles, scales + group)
+        else:  # ue5m3 bytes: group j's two in half j % 2 of word j / 2
+            raw[words_per_lane] = uint32(shared1(tiles, scales + group // 2)) >> (uint32(16) * (group % 2))
+        if zero_words:
+            raw[words_per_lane + scale_words] = (uint32(shared1(tiles, base + weight_words + scale_total + column * 8
+                                                                + lane_id // 4)) >> (group_shift * group))
+
     chunk_zero_words = 8 * zero_words
     # Chunks whose scales (and zero points) are stored one after another: a panel's (the
     # zero points' panels are as wide: `lane_scales`).
@@ -853,7 +911,8 @@ def staged_weights(spec: QuantSpec, n: int, k: int, half: str, chunks: int, slab
                       4 * stage_groups * chunks * chunk_zero_words, barrier)
 
     return StagedWeights(stage_words, weight_words, copies_per_thread, plan, copy, copy_partial, fetch,
-                         copy_panel if one_panel else None)
+                         copy_panel if one_panel else None, fetch_group, fetch_group_scales if zeros_shift else None,
+                         min(slabs, group_size // SLAB_K))
 
 
 def _no_groups():

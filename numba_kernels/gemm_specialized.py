@@ -3,29 +3,37 @@
 At tens of slots an expert (Mixtral at M = 256: 49 to 74) the prefill tiles of `gemm` are
 latency-bound: each warp decodes its weights and then feeds them to `mma.sync`, and the
 whole CTA waits at a barrier a stage (Nsight Compute, fifty-fifth session of
-`benchmarks/LOG.md`). Here the two jobs run side by side in different warps:
+`benchmarks/LOG.md`). Here copying, decoding and multiplying overlap in different warps:
 
 * a CTA computes one column panel of the native layout (two 64-feature chunks,
   `formats.NATIVE_PANEL`) for one part of a block of the alignment (up to
   `SpecializedTile.max_width` slots of one expert), at the *width* its slots need
   (their count rounded up to `width_step`: wgmma's N), so an expert of up to
   max_width slots is decoded once;
-* one thread copies each stage (64 of K) in bulk copies counted on the stage's
-  mbarrier: the weights' codes, scales and zero points, a run each
-  (`StagedWeights.copy_panel`), and the part's activations, which `stage_blocks`
-  stored stage by stage in the order wgmma reads them (one copy);
-* four *producer* warps decode the staged codes with the GEMM's own reader
-  (`fragments.fragment_reader`) into wgmma's A tiles in shared memory;
-* the *consumer* warpgroup (warps 0 to 3) multiplies each decoded stage by its
-  activations (wgmma m64nWk16, both operands in shared memory) and hands the stage back;
-* the two sides meet on named barriers, a pair per stage, never on one of the whole CTA.
+* a *copy warp* (warp 8) brings each stage (64 of K) in with bulk copies from one
+  thread, counted on the stage's mbarrier: the weights' codes, scales and zero points,
+  a run each (`StagedWeights.copy_panel`), and the part's activations, which
+  `stage_blocks` stored stage by stage in the order wgmma reads them (one copy);
+* two *multiplying* warpgroups, a chunk each: warp w of warpgroup c decodes n16 group w
+  of chunk c (`StagedWeights.fetch_group`, `FragmentReader.decode_group`) straight into
+  the four A registers wgmma takes from it (m64nWk16, A in registers, the activations
+  in shared memory), a slab a wgmma group, decoding the next slab while one multiplies;
+* each warpgroup releases a stage on a named barrier once its wgmma are done, and the
+  copy warp refills the stage when both have: no barrier of the whole CTA in the loop.
+
+The decoded weights never pass through shared memory. In the first form of this kernel
+four producer warps stored them there for one multiplying warpgroup, and shared memory
+was its limit (570 wavefronts a stage against 320 cycles of tensor work, 256 of them the
+decoded weights stored and read back; seventy-third session): A in registers took Mixtral
+M = 256's two GEMMs from 604 to 447 us (w4a16) and from 659 to 461 us (NVFP4) on the
+H200 (seventy-fourth session). A warp reads its group's code word of each lane's 16
+bytes (four wavefronts a warp, as many as the whole 16 bytes).
 
 The epilogue stores the outputs as halves, a row per slot: `blocked`, row block *
 block_m + the slot's place in its block (gemm1, whose output
 `stage_blocks.activate_blocks` turns into gemm2's stage blocks), or scattered to the
 slot's id in the alignment (gemm2, for the combine; the padding's sentinel id names a
-spare last row). Measured on the H200 against
-the layer's prefill tiles (`benchmarks/LOG.md`, sixty-sixth to seventy-first sessions).
+spare last row).
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ import itertools
 
 import attrs
 import torch
-from numba import cuda, float32, int16, int32, uint32
+from numba import cuda, float32, int16, uint32
 
 from . import interop, ptx
 from .fragments import CHUNK_N, SLAB_K, bulk_staging_supported, fragment_reader, staged_weights
@@ -45,11 +53,10 @@ from .weights import KernelWeights
 
 STAGE_SLABS = 4  # slabs of 16 of K a pipeline stage
 STEP_K = STAGE_SLABS * SLAB_K
-CHUNKS = 2  # 64-feature chunks a CTA: one column panel of the native layout
-TILE_WORDS = 512  # a decoded 64 x 16 tile of weights (one wgmma's A)
-A_BUFFERS = 2  # decoded stages in shared memory at once
-CORE_LBO, CORE_SBO = 128, 256  # bytes: the next 8 of K, the next 8 rows (features or slots)
-CONSUMERS = 128  # the consumer warpgroup's threads
+CHUNKS = 2  # 64-feature chunks a CTA: one column panel of the native layout, a warpgroup each
+WARPGROUP = 128  # threads
+MULTIPLIERS = CHUNKS * WARPGROUP  # the multiplying warpgroups' threads; the copy warp follows
+CORE_LBO, CORE_SBO = 128, 256  # bytes: the next 8 of K, the next 8 slots of B's core matrices
 
 
 @attrs.frozen
@@ -67,8 +74,8 @@ class SpecializedTile:
 
     def __attrs_post_init__(self):
         if (self.width_step % 8 or not 8 <= self.width_step <= self.max_width or self.max_width % self.width_step
-                or not self.max_width <= self.block_m <= CONSUMERS or not 2 <= self.stages <= 7):
-            raise ValueError(f"width_step must be a multiple of 8 dividing max_width <= block_m <= {CONSUMERS}, and "
+                or not self.max_width <= self.block_m <= WARPGROUP or not 2 <= self.stages <= 7):
+            raise ValueError(f"width_step must be a multiple of 8 dividing max_width <= block_m <= {WARPGROUP}, and "
                              f"stages in [2, 7], got block_m={self.block_m}, max_width={self.max_width}, "
                              f"width_step={self.width_step}, stages={self.stages}")
 
@@ -92,10 +99,12 @@ class SpecializedTile:
 def specialized_supported(spec, n: int, k: int, half: str) -> bool:
     """Whether weights `spec` of shape (n, k) an expert can run on the warp-specialised
     GEMM: bulk-staged in whole stages, a CTA's two chunks one column panel (the native
-    layout; `copy_panel`) and N in whole panels, the reader decoding from shared memory."""
+    layout; `copy_panel`) and N in whole panels, a warp's n16 group fetched alone
+    (`fetch_group_scales`)."""
     if n % (CHUNKS * CHUNK_N) or not bulk_staging_supported(spec, n, k, half, CHUNKS, STAGE_SLABS):
         return False
-    return staged_weights(spec, n, k, half, CHUNKS, STAGE_SLABS, 64 * CHUNKS).copy_panel is not None
+    staged = staged_weights(spec, n, k, half, CHUNKS, STAGE_SLABS, 64 * CHUNKS)
+    return staged.copy_panel is not None and staged.fetch_group_scales is not None
 
 
 @functools.cache
@@ -110,179 +119,115 @@ def make_specialized_kernel(spec, n: int, k: int, half: str, tile: SpecializedTi
                          f"in column panels of {CHUNKS * CHUNK_N}, K in stages of {STEP_K} expected")
     widths, stages, block_m = tile.widths, tile.stages, tile.block_m
     max_width, sub_blocks = tile.max_width, tile.sub_blocks
-    producers = 64 * CHUNKS
-    threads, steps = CONSUMERS + producers, k // STEP_K
-    staged = staged_weights(spec, n, k, half, CHUNKS, STAGE_SLABS, producers)
+    threads, steps = MULTIPLIERS + 32, k // STEP_K
+    staged = staged_weights(spec, n, k, half, CHUNKS, STAGE_SLABS, 64 * CHUNKS)
     reader = fragment_reader(spec, n, k, half)
-    fetch, copy_panel, decode = staged.fetch, staged.copy_panel, reader.decode
+    fetch_group, fetch_scales, decode_group = staged.fetch_group, staged.fetch_group_scales, reader.decode_group
+    scale_slabs = staged.scale_slabs  # a scale row's slabs in a stage
     output_scale, raw_words, to_half = reader.output_scale, reader.raw_words, ptx.to_half(half)
-    w_words, a_words, b_words = staged.stage_words, STAGE_SLABS * CHUNKS * TILE_WORDS, tile.block_words()
-    # The copies' ring is `stages` deep; the decoded A tiles need only two buffers: the
-    # producers decode step i after the consumer released step i - 2 (`producer_step`).
-    a_ring, b_ring = stages * w_words, stages * w_words + A_BUFFERS * a_words
+    w_words, b_words = staged.stage_words, tile.block_words()
+    b_ring = stages * w_words
     row_table = b_ring + stages * b_words  # the block's output rows, a word a slot
     barriers = row_table + max_width
-    regs = max(widths) // 2  # a consumer thread's accumulators of one chunk
-    accumulators = CHUNKS * regs
-    # One group of wgmma stays in flight (the newest stage's) while the next is issued;
-    # the last step waits for all of them (`consumer`).
+    regs = max(widths) // 2  # a thread's accumulators: its warpgroup's chunk
+    frag_words = 8  # two slabs' A registers
+    issue_stage = _stage_issuer(staged.copy_panel, steps, w_words, b_ring, b_words, barriers)
     wait_in_flight, wait_all = ptx.warpgroup_wait[1], ptx.warpgroup_wait[0]
 
-    @ptx.device
-    def issue_stage(act, weights, step, buffer, part, expert, first_chunk, width, shared):
-        """One thread's bulk copies of `step` (none past the last) into `buffer`: the
-        weights' runs, and the stage's activations (its slabs at `width` slots)."""
-        if step < uint32(steps):
-            barrier = uint32(barriers) + uint32(2) * buffer
-            ptx.mbarrier_expect_bytes(shared, barrier, uint32(4 * w_words) + uint32(STAGE_SLABS * 32) * width)
-            copy_panel(weights, expert, first_chunk, step * uint32(STAGE_SLABS), shared, buffer * uint32(w_words),
-                       barrier)
-            ptx.bulk_copy(shared, uint32(b_ring) + buffer * uint32(b_words), act,
-                          (part * uint32(steps) + step) * uint32(b_words), uint32(STAGE_SLABS * 32) * width, barrier)
-
-    @ptx.device
-    def decode_slab(weights, expert, step, b, local_slab, chunk, first_chunk, lane, shared, raw, params, frags):
-        """A producer warp's slab `local_slab` of chunk `chunk` of `step`, from copy buffer
-        b: staged codes -> fragments -> the chunk's A tile of that slab (A buffer step % 2),
-        8 x 8 core matrices."""
-        fetch(shared, b, local_slab, chunk, lane, raw)
-        decode(raw, params, weights, expert, step * uint32(STAGE_SLABS) + local_slab, first_chunk + chunk, lane, frags)
-        # fragment 4j + 2h + r: features 16j + 8h + lane / 4, K 8r + 2 (lane % 4) of the
-        # slab; lane l names row l % 8 of matrix l / 8 = 2h + r of each of four stores.
-        h, r = (lane // uint32(8)) // uint32(2), (lane // uint32(8)) % uint32(2)
-        tile_at = (uint32(a_ring) + step % uint32(A_BUFFERS) * uint32(a_words)
-                   + (local_slab * uint32(CHUNKS) + chunk) * uint32(TILE_WORDS))
-        row = tile_at + h * uint32(CORE_SBO // 4) + r * uint32(CORE_LBO // 4) + (lane % uint32(8)) * uint32(4)
-        for j in range(4):
-            ptx.store_matrix4(shared, row + uint32(j * 2 * CORE_SBO // 4), frags[4 * j], frags[4 * j + 1],
-                              frags[4 * j + 2], frags[4 * j + 3])
-
-    def producer_step(b: int):
-        """Decode stage b's codes into its A tiles and hand the stage to the consumer;
-        then refill the stage before it, once the consumer is done with it. That wait
-        (for step i - 1's wgmma) comes before the decode of step i + 1, which so
-        overwrites the A buffer of step i - 1 only once its wgmma are done."""
-        ready, before = ptx.barrier_arrive(1 + b, threads), (b - 1) % stages
-        released = ptx.barrier_sync(1 + stages + before, threads)
-
-        @ptx.device
-        def step(first, act, weights, part, expert, first_chunk, width, p, shared, raw, params, frags):
-            i = first + uint32(b)
-            if i < uint32(steps):
-                ptx.mbarrier_wait(shared, uint32(barriers + 2 * b), (i // uint32(stages)) % uint32(2))
-                warp, lane = p // uint32(32), p % uint32(32)
-                for s in range(2):
-                    decode_slab(weights, expert, i, uint32(b), uint32(2) * (warp % uint32(2)) + uint32(s),
-                                warp // uint32(2), first_chunk, lane, shared, raw, params, frags)
-                ptx.async_proxy_fence()  # the stores, for the tensor cores
-                ready()
-                if i >= uint32(1):
-                    released()
-                    if p == uint32(0):
-                        issue_stage(act, weights, i - uint32(1) + uint32(stages), uint32(before), part, expert,
-                                    first_chunk, width, shared)
-
-        return step
-
     @functools.cache
-    def stage_multiplier(width: int):
-        """acc += A (the stage at a_base: its slabs x chunks) @ B (the stage at b_base, its
-        first `width` slots): the first width / 2 accumulators of each chunk. One a width,
-        shared by the ring's stages (a device function is compiled once)."""
-        multiply = ptx.shared_warpgroup_mma(half, width)
-
-        def tile_multiplier(slab: int, chunk: int):
-            @ptx.device
-            def multiply_tile(shared, a_base, b_base, acc):
-                multiply(shared, a_base + uint32((slab * CHUNKS + chunk) * TILE_WORDS), CORE_LBO, CORE_SBO,
-                         b_base + uint32(slab * width * 8), CORE_LBO, CORE_SBO, acc, chunk * regs)
-
-            return multiply_tile
-
-        return functools.reduce(chain, [tile_multiplier(s, c) for s in range(STAGE_SLABS) for c in range(CHUNKS)])
-
-    def consumer_step(b: int, width: int, wait_mma):
-        """Multiply stage b at `width` once the producers hand it over; wait (`wait_mma`)
-        and release the stage before it, whose wgmma are then done."""
-        ready, before = ptx.barrier_sync(1 + b, threads), (b - 1) % stages
-        release = ptx.barrier_arrive(1 + stages + before, threads)
-        multiply_stage = stage_multiplier(width)
+    def slab_multiplier(s: int, width: int, last: bool):
+        """Slab s of the stage in buffer b, a wgmma group of its own: the warp's n16 group
+        of `chunk` decoded into four registers (wgmma's a0 .. a3 are those of (h, r) =
+        (0, 0), (1, 0), (0, 1), (1, 1): h rows + 8, r K + 8), times B (its first `width`
+        slots), then wait for all groups but this one (`last`: for all of them). So the
+        warp decodes the next slab while this one multiplies, and only two slabs' A
+        registers are live (a whole stage's in flight left ptxas short of registers: it
+        serialised every wgmma, C7512)."""
+        multiply, wait_mma = ptx.warpgroup_mma(half, width), wait_all if last else wait_in_flight
 
         @ptx.device
-        def step(first, shared, acc):
+        def multiply_slab(shared, b, chunk, group, lane, raw, frags, acc):
+            if s % scale_slabs == 0:
+                fetch_scales(shared, b, uint32(s), chunk, lane, group, raw)
+            fetch_group(shared, b, uint32(s), chunk, lane, group, raw)
+            decode_group(raw, frags, 4 * (s % 2))
+            ptx.warpgroup_fence()  # the A registers, written above
+            multiply(frags[4 * (s % 2)], frags[4 * (s % 2) + 2], frags[4 * (s % 2) + 1], frags[4 * (s % 2) + 3],
+                     shared, uint32(b_ring) + b * uint32(b_words) + uint32(s * width * 8), CORE_LBO, CORE_SBO, acc, 0)
+            ptx.warpgroup_commit()
+            wait_mma()
+
+        return multiply_slab
+
+    def multiplier_step(b: int, width: int, last: bool):
+        """Step first + b (every step the caller runs exists): once its copies land,
+        multiply its slabs at `width` (the last step waits for all groups at its end);
+        after the first slab, release the step before, whose wgmma are then done (step 0
+        releases a step -1 the copy warp waits for too: no branch between the wgmma)."""
+        release = ptx.barrier_arrive(1 + (b - 1) % stages, threads)
+        first_slab = slab_multiplier(0, width, False)
+        other_slabs = functools.reduce(chain, [slab_multiplier(s, width, last and s == STAGE_SLABS - 1)
+                                               for s in range(1, STAGE_SLABS)])
+
+        @ptx.device
+        def step(first, shared, acc, raw, frags, chunk, group, lane):
             i = first + uint32(b)
-            if i < uint32(steps):
-                ready()
-                ptx.mbarrier_wait(shared, uint32(barriers + 2 * b), (i // uint32(stages)) % uint32(2))
-                ptx.warpgroup_fence()
-                multiply_stage(shared, uint32(a_ring) + i % uint32(A_BUFFERS) * uint32(a_words),
-                               uint32(b_ring + b * b_words), acc)
-                ptx.warpgroup_commit()
-                wait_mma()
-                if i >= uint32(1):
-                    release()
+            ptx.mbarrier_wait(shared, uint32(barriers + 2 * b), (i // uint32(stages)) % uint32(2))
+            first_slab(shared, uint32(b), chunk, group, lane, raw, frags, acc)
+            release()
+            other_slabs(shared, uint32(b), chunk, group, lane, raw, frags, acc)
 
         return step
 
-    def column_tile(c: int, chunk: int):
-        """(zero, store) of one n8 column tile's four accumulators: features `feature` and
-        feature + 8 of chunk `chunk`, slots 8c + `col` and + 1 (their output rows from the
-        row table). Built per tile in Python, so every accumulator index is a constant
-        (registers, not the stack)."""
-        first = chunk * regs + 4 * c
+    def copier_step(b: int):
+        """Wait for the release of the step before first + b (the warpgroups release one a
+        step), then refill its buffer with the step `stages` after it, if there is one."""
+        released = ptx.barrier_sync(1 + (b - 1) % stages, threads)
 
         @ptx.device
-        def zero(acc):
-            for q in range(4):
-                acc[first + q] = float32(0)
+        def step(first, act, weights, part, expert, first_chunk, width, lane, shared):
+            i = first + uint32(b)
+            if i < uint32(steps):
+                released()
+                if lane == uint32(0) and i >= uint32(1):
+                    issue_stage(act, weights, i - uint32(1) + uint32(stages), uint32((b - 1) % stages), part, expert,
+                                first_chunk, width, shared)
 
-        @ptx.device
-        def store(acc, scale, out, shared, feature, col):
-            for q in range(4):
-                row = shared[uint32(row_table + 8 * c + q % 2) + col]
-                out[row, feature + uint32(CHUNK_N * chunk + 8 * (q // 2))] = int16(to_half(acc[first + q] * scale))
+        return step
 
-        return zero, store
+    zero_prefix, store_prefix = _column_stores(max(widths), row_table, to_half)
 
-    # The column tiles of width w are the first 2 w / 8 (column-major): each width's
-    # zeroing and stores are a prefix of one chain, so the widths share their functions.
-    columns = [column_tile(c, chunk) for c in range(max(widths) // 8) for chunk in range(CHUNKS)]
-    zero_prefix, store_prefix = list(itertools.accumulate([zero for zero, _ in columns], chain)), list(
-        itertools.accumulate([store for _, store in columns], chain))
-
-    def consumer(index: int, width: int):
-        """The consumer's whole part at widths[index], if that is the CTA's width: zero
-        the width's accumulators, the main loop, store them. A path a width, so that no
+    def multiplier(index: int, width: int):
+        """A warpgroup's whole part at widths[index], if that is the CTA's width: zero the
+        width's accumulators, the main loop, store them. A path a width, so that no
         instruction but that width's wgmma defines its accumulators between them (one
         loop with a branch a stage made ptxas inject warpgroup arrives, C7519; zeroing and
         stores shared by the widths serialised the wgmma, C7515). The round of the last
         step comes after the loop, that step waiting for all groups: with that wait after
         the loop ptxas placed the stores' reads of the accumulators above it, and the
-        outputs missed the last stage (seventy-second session of benchmarks/LOG.md); a
-        branch in the loop to wait at the last step serialised every wgmma (C7517)."""
+        outputs missed the last stage (seventy-second session of benchmarks/LOG.md)."""
         last_b = (steps - 1) % stages
-        consume_round = functools.reduce(chain, [consumer_step(b, width, wait_in_flight) for b in range(stages)])
-        last_round = functools.reduce(chain, [consumer_step(b, width, wait_all if b == last_b else wait_in_flight)
-                                              for b in range(last_b + 1)])
-        zero_accumulators, store_outputs = zero_prefix[width // 8 * CHUNKS - 1], store_prefix[width // 8 * CHUNKS - 1]
+        multiply_round = functools.reduce(chain, [multiplier_step(b, width, False) for b in range(stages)])
+        last_round = functools.reduce(chain, [multiplier_step(b, width, b == last_b) for b in range(last_b + 1)])
+        zero_accumulators, store_outputs = zero_prefix[width // 8 - 1], store_prefix[width // 8 - 1]
 
         @ptx.device
-        def run(width_index, shared, acc, weights, out, expert, feature, col):
+        def run(width_index, shared, acc, raw, frags, weights, out, expert, feature, col, chunk, group, lane):
             if width_index == uint32(index):
                 zero_accumulators(acc)
                 first = uint32(0)
                 while first < uint32(steps - 1 - last_b):
-                    consume_round(first, shared, acc)
+                    multiply_round(first, shared, acc, raw, frags, chunk, group, lane)
                     first += uint32(stages)
-                last_round(first, shared, acc)
+                last_round(first, shared, acc, raw, frags, chunk, group, lane)
                 store_outputs(acc, output_scale(weights, expert), out, shared, feature, col)
 
         return run
 
-    produce_round = functools.reduce(chain, [producer_step(b) for b in range(stages)])
-    consume = functools.reduce(chain, [consumer(i, width) for i, width in enumerate(widths)])
+    copy_round = functools.reduce(chain, [copier_step(b) for b in range(stages)])
+    multiply = functools.reduce(chain, [multiplier(i, width) for i, width in enumerate(widths)])
 
-    @ptx.kernel(launch_bounds=(threads, 2))  # two CTAs a multiprocessor: one decodes while the other waits
+    @ptx.kernel(launch_bounds=(threads, 2))
     def specialized(act, weights, picks, expert_ids, rows, out):
         shared = cuda.shared.array(0, uint32)
         tid, panel, part = uint32(cuda.threadIdx.x), uint32(cuda.blockIdx.x), uint32(cuda.blockIdx.y)
@@ -302,25 +247,71 @@ def make_specialized_kernel(spec, n: int, k: int, half: str, tile: SpecializedTi
             place = block * uint32(block_m) + part % uint32(sub_blocks) * uint32(max_width) + tid
             shared[uint32(row_table) + tid] = place if blocked else uint32(rows[place])
         cuda.syncthreads()
-        if tid >= uint32(CONSUMERS):
-            p = tid - uint32(CONSUMERS)
-            if p == uint32(0):
+        if tid >= uint32(MULTIPLIERS):
+            lane = tid - uint32(MULTIPLIERS)
+            if lane == uint32(0):
                 for s in range(stages):
                     issue_stage(act, weights, uint32(s), uint32(s), part, expert, first_chunk, width, shared)
-            raw = cuda.local.array(raw_words, uint32)
-            params = cuda.local.array(16, uint32)
-            frags = cuda.local.array(16, uint32)
             first = uint32(0)
             while first < uint32(steps):
-                produce_round(first, act, weights, part, expert, first_chunk, width, p, shared, raw, params, frags)
+                copy_round(first, act, weights, part, expert, first_chunk, width, lane, shared)
                 first += uint32(stages)
         else:
-            acc = cuda.local.array(accumulators, float32)
-            consume(width_index, shared, acc, weights, out, expert,
-                    first_chunk * uint32(CHUNK_N) + (tid // uint32(32)) * uint32(16) + (tid % uint32(32)) // uint32(4),
-                    uint32(2) * (tid % uint32(4)))
+            acc = cuda.local.array(regs, float32)
+            raw = cuda.local.array(raw_words, uint32)
+            frags = cuda.local.array(frag_words, uint32)
+            lane = tid % uint32(32)
+            multiply(width_index, shared, acc, raw, frags, weights, out, expert,
+                     first_chunk * uint32(CHUNK_N) + (tid // uint32(32)) * uint32(16) + lane // uint32(4),
+                     uint32(2) * (lane % uint32(4)), tid // uint32(WARPGROUP), (tid // uint32(32)) % uint32(4), lane)
 
     return specialized, barriers + 2 * stages, threads
+
+
+def _stage_issuer(copy_panel, steps: int, w_words: int, b_ring: int, b_words: int, barriers: int):
+    """issue_stage(act, weights, step, buffer, part, expert, first_chunk, width, shared):
+    one thread's bulk copies of `step` (none past the last) into ring buffer `buffer`: the
+    weights' runs (`copy_panel`, at buffer x w_words), and the stage's activations (its
+    slabs at `width` slots, at b_ring + buffer x b_words), counted on the buffer's mbarrier."""
+
+    @ptx.device
+    def issue_stage(act, weights, step, buffer, part, expert, first_chunk, width, shared):
+        if step < uint32(steps):
+            barrier = uint32(barriers) + uint32(2) * buffer
+            ptx.mbarrier_expect_bytes(shared, barrier, uint32(4 * w_words) + uint32(STAGE_SLABS * 32) * width)
+            copy_panel(weights, expert, first_chunk, step * uint32(STAGE_SLABS), shared, buffer * uint32(w_words),
+                       barrier)
+            ptx.bulk_copy(shared, uint32(b_ring) + buffer * uint32(b_words), act,
+                          (part * uint32(steps) + step) * uint32(b_words), uint32(STAGE_SLABS * 32) * width, barrier)
+
+    return issue_stage
+
+
+def _column_stores(max_width: int, row_table: int, to_half):
+    """(zero_prefix, store_prefix): for each width w (a multiple of 8), entry w / 8 - 1
+    zeroes, or stores, a thread's accumulators at that width. The four of n8 column tile
+    c hold features `feature` and feature + 8, slots 8 c + `col` and + 1 (their output
+    rows from the row table at word `row_table`). Built per tile in Python, so every
+    accumulator index is a constant (registers, not the stack); a width's tiles are the
+    first w / 8, so its zeroing and stores are a prefix of one chain, shared by the widths."""
+
+    def column_tile(c: int):
+        @ptx.device
+        def zero(acc):
+            for q in range(4):
+                acc[4 * c + q] = float32(0)
+
+        @ptx.device
+        def store(acc, scale, out, shared, feature, col):
+            for q in range(4):
+                row = shared[uint32(row_table + 8 * c + q % 2) + col]
+                out[row, feature + uint32(8 * (q // 2))] = int16(to_half(acc[4 * c + q] * scale))
+
+        return zero, store
+
+    columns = [column_tile(c) for c in range(max_width // 8)]
+    return (list(itertools.accumulate([zero for zero, _ in columns], chain)),
+            list(itertools.accumulate([store for _, store in columns], chain)))
 
 
 def check_stage_blocks(name: str, blocks, parts: int, k: int, tile: SpecializedTile) -> torch.Tensor:

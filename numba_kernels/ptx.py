@@ -28,15 +28,13 @@ base, j, bytes)``                                            without registers
 ``commit_copies()``      cp.async.commit_group               close a pipeline stage
 ``wait_copies[n]()``     cp.async.wait_group n               all but the newest n stages
 ``ldmatrix4(s, i)``      ldmatrix.sync.m8n8.x4.shared.b16    A fragments from shared
-``store_matrix4(s, i,    stmatrix.sync.m8n8.x4.shared.b16    fragments to core matrices
-r0, r1, r2, r3)``                                            (a wgmma's shared tile)
 ``wait_for_previous()``  griddepcontrol.wait                 early-launched kernels
 ``release_next()``       griddepcontrol.launch_dependents    let the next kernel start
 ``warpgroup_mma(h, n)``  wgmma.mma_async.m64nNk16, A in      Hopper's asynchronous
 (a0..a3, s, i, lbo,      registers, B in shared memory       tensor cores (measured by
 sbo, acc, j)             (a matrix descriptor)               ``benchmarks/tensor_rates``)
-``shared_warpgroup_mma  the same, A in shared memory too    a decoded A tile shared
-(h, n)(s, i, lbo, sbo,   (a second descriptor)               by many slots (prefill)
+``shared_warpgroup_mma  the same, A in shared memory too    its rate beside A in
+(h, n)(s, i, lbo, sbo,   (a second descriptor)               registers (tensor_rates)
 j, lbo, sbo, acc, j)``
 ``async_proxy_fence()``  fence.proxy.async.shared::cta       threads' stores -> wgmma
 ``barrier_sync(b, n)()``  bar.sync b, n                    producer and consumer
@@ -87,9 +85,7 @@ barrier) between the two.
 ``l`` names row ``l % 8`` of matrix ``l // 8`` (four words of 16 bytes); register ``j``
 of lane ``l`` receives word ``l % 4`` of row ``l // 4`` of matrix ``j`` -- for an A tile
 whose lanes 0-15 name rows 0-15 at column word c and lanes 16-31 the same rows at c + 4,
-exactly the mma's a0..a3. ``store_matrix4`` is its inverse: register ``j`` of lane ``l``
-goes to word ``l % 4`` of row ``l // 4`` of matrix ``j``, whose row ``r`` lane ``8 j + r``
-names -- fragments in mma's layout stored as 8 x 8 core matrices.
+exactly the mma's a0..a3.
 
 Every helper has a pure-Python *twin* with the same semantics (`twins`), chosen
 automatically under the CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``), so every kernel runs
@@ -398,30 +394,6 @@ def _statement(asm, operand_types=(), constraints=""):
     return emit
 
 
-def _gpu_store_matrix4():
-    """store_matrix4(shared, i, r0, r1, r2, r3) as an intrinsic: a warp's stmatrix .x4,
-    this lane naming a row at flat word i."""
-    from llvmlite import ir
-    from numba.cuda.extending import intrinsic
-
-    @intrinsic
-    def store_matrix4(typingctx, shared, offset, w0, w1, w2, w3):
-        _check_flat(shared, offset)
-        if not all(isinstance(w, types.Integer) for w in (w0, w1, w2, w3)):
-            raise TypeError(f"store_matrix4 stores integer registers, got {w0}, {w1}, {w2}, {w3}")
-
-        def codegen(context, builder, sig, args):
-            target = _shared_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-            words = [context.cast(builder, args[i], sig.args[i], types.uint32) for i in range(2, 6)]
-            _statement("stmatrix.sync.aligned.m8n8.x4.shared.b16 [$0], {$1, $2, $3, $4};",
-                       [target.type] + [ir.IntType(32)] * 4, "l,r,r,r,r")(builder, [target] + words)
-            return context.get_dummy_value()
-
-        return types.void(shared, offset, w0, w1, w2, w3), codegen
-
-    return store_matrix4
-
-
 def _gpu_async_copies():
     """copy_async, commit_copies and wait_copies[n] (n = 0 .. 7) as intrinsics."""
     from llvmlite import ir
@@ -691,9 +663,6 @@ copy_async, commit_copies, wait_copies = twins.async_copies() if SIMULATED else 
 # ldmatrix4(shared, i): the warp's four 8x8 half matrices, lane l naming a row at word i.
 ldmatrix4 = twins.ldmatrix4 if SIMULATED else _gpu_read(
     "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];", 4, _shared_pointer, in_place=True)
-# store_matrix4(shared, i, r0, r1, r2, r3): the warp's four 8x8 half matrices from its
-# registers, lane l naming a row at word i (module docstring).
-store_matrix4 = twins.store_matrix4 if SIMULATED else _gpu_store_matrix4()
 # Programmatic dependent launch (module docstring): wait_for_previous() blocks until the
 # kernel before has finished; release_next() lets the kernel after start launching.
 wait_for_previous = twins.no_op if SIMULATED else _gpu_statement("griddepcontrol.wait;", hopper)

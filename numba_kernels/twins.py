@@ -228,10 +228,13 @@ def mma(half: str):
 
 
 def _warpgroup():
-    """(thread in warpgroup, warpgroup) of the calling simulated thread."""
-    block_dim = threading.current_thread()._manager._block_dim
-    if int(np.prod(block_dim)) % 128:
-        raise ValueError(f"warpgroup_mma needs blocks of whole warpgroups (128 threads), got {block_dim}")
+    """(thread in warpgroup, warpgroup) of the calling simulated thread, whose warpgroup
+    (four warps from a multiple of four) must lie whole in its block."""
+    thread = threading.current_thread()
+    block_dim = thread._manager._block_dim
+    if (thread.thread_id // 128 + 1) * 128 > int(np.prod(block_dim)):
+        raise ValueError(f"warpgroup_mma needs its warpgroup's 128 threads in the block, got thread "
+                         f"{thread.thread_id} of a block of {block_dim}")
     return _group(128)
 
 
@@ -403,20 +406,6 @@ def ldmatrix4(shared, offset):
         return [tuple(np.uint32(flat[rows[8 * j + r // 4] + r % 4]) for j in range(4)) for r in range(32)]
 
     return warp.meet(lane, int(offset), load)[lane]
-
-
-def store_matrix4(shared, offset, r0, r1, r2, r3):
-    """stmatrix .x4: every lane's registers stored at once, as the instruction stores them."""
-    lane, warp = _warp()
-    flat = shared.reshape(-1)
-
-    def store(lanes):
-        for j in range(4):
-            for row in range(8):
-                target = lanes[8 * j + row][0]
-                flat[target:target + 4] = [lanes[4 * row + t][1][j] for t in range(4)]
-
-    warp.meet(lane, (int(offset), tuple(np.uint32(int(r) & 0xFFFFFFFF) for r in (r0, r1, r2, r3))), store)
 
 
 class NamedBarrier:

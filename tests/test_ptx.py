@@ -419,28 +419,6 @@ def test_ldmatrix_gives_the_mma_a_fragments_of_a_padded_shared_tile():
     np.testing.assert_array_equal(frags, expected)
 
 
-def test_store_matrix_puts_fragments_back_where_ldmatrix_reads_them():
-    """stmatrix with the row addresses ldmatrix took writes the same tile back: fragments
-    in mma's layout become 8 x 8 matrices of 16-byte rows (here a padded 16 x 8-word tile)."""
-    @ptx.kernel
-    def run(frags, seen):
-        lane = cuda.threadIdx.x
-        tile = cuda.shared.array((16, 12), uint32)
-        ptx.store_matrix4(tile, (lane % 16) * 12 + 4 * (lane // 16), frags[lane, 0], frags[lane, 1], frags[lane, 2],
-                          frags[lane, 3])
-        cuda.syncthreads()
-        for w in range(8):
-            seen[lane % 16, w] = tile[lane % 16, w]
-
-    rng = np.random.default_rng(4)
-    a_words = rng.integers(0, 2**32, (16, 8), dtype=np.uint64).astype(np.uint32)
-    g, t = np.arange(32) // 4, np.arange(32) % 4
-    frags = np.stack([a_words[g, t], a_words[g + 8, t], a_words[g, t + 4], a_words[g + 8, t + 4]], axis=1)
-    seen = np.zeros((16, 8), np.uint32)
-    run[1, 32](frags.view(np.int32), seen)
-    np.testing.assert_array_equal(seen, a_words)
-
-
 def test_grid_dependency_controls_leave_a_kernel_s_results_alone():
     """`wait_for_previous` and `release_next` compile and run anywhere (no-ops before
     Hopper and under the simulator); `test_launch` checks what they order on the GPU."""
@@ -689,6 +667,6 @@ def test_warpgroup_mma_rejects_column_counts_the_instruction_lacks():
 @pytest.mark.skipif(not ptx.SIMULATED, reason="the twin's check (on the GPU a partial warpgroup is undefined)")
 def test_warpgroup_twin_rejects_blocks_of_partial_warpgroups():
     a_frag, b_words, _, _ = _warpgroup_operands(np.random.default_rng(2), 8, 128, 128)
-    with pytest.raises(ValueError, match="whole warpgroups"):
+    with pytest.raises(ValueError, match="its warpgroup's 128 threads in the block"):
         _warpgroup_kernel(8, b_words.size)[1, 64](np.stack([a_frag[:64]] * 2), np.concatenate([b_words] * 2),
                                                   np.zeros((64, 4), np.float32), 128, 128)
