@@ -841,22 +841,32 @@ def staged_weights(spec: QuantSpec, n: int, k: int, half: str, chunks: int, slab
         partial_z(weights, sources, first_slab, remaining, tiles, base, thread)
 
     @device
-    def fetch(tiles, buffer, local_slab, local_chunk, lane_id, raw):
+    def code_word(buffer, local_slab, local_chunk, lane_id):
+        """Where the lane's codes of a slab-chunk of stage buffer `buffer` start."""
+        return buffer * stage_words + (local_slab * chunks + local_chunk) * words_per_chunk + lane_id * words_per_lane
+
+    @device
+    def scale_word(buffer, local_slab, local_chunk, lane_id):
+        """(where the lane's scales start, its zero-point word) in the slab's group."""
         base = buffer * stage_words
-        first = base + (local_slab * chunks + local_chunk) * words_per_chunk + lane_id * words_per_lane
+        column = (local_slab * SLAB_K // group_size if stage_groups > 1 else 0) * chunks + local_chunk
+        return (base + weight_words + column * chunk_scale_words + (lane_id // 4) * scale_words,
+                base + weight_words + scale_total + column * 8 + lane_id // 4)
+
+    @device
+    def fetch(tiles, buffer, local_slab, local_chunk, lane_id, raw):
+        first = code_word(buffer, local_slab, local_chunk, lane_id)
         raw[0], raw[1], raw[2], raw[3] = shared4(tiles, first)
         if words_per_lane == 8:
             raw[4], raw[5], raw[6], raw[7] = shared4(tiles, first + 4)
-        column = (local_slab * SLAB_K // group_size if stage_groups > 1 else 0) * chunks + local_chunk
-        scales = base + weight_words + column * chunk_scale_words + (lane_id // 4) * scale_words
+        scales, zeros = scale_word(buffer, local_slab, local_chunk, lane_id)
         if scale_words == 4:
             (raw[words_per_lane], raw[words_per_lane + 1], raw[words_per_lane + 2],
              raw[words_per_lane + 3]) = shared4(tiles, scales)
         else:
             raw[words_per_lane], raw[words_per_lane + 1] = shared2(tiles, scales)
         if zero_words:
-            raw[words_per_lane + scale_words] = shared1(tiles, base + weight_words + scale_total + column * 8
-                                                                + lane_id // 4)
+            raw[words_per_lane + scale_words] = shared1(tiles, zeros)
 
     # A group's two columns' zero points go where group 0's are: one shift of the word
     # where the groups' nibbles are a fixed distance apart (the native layout's are 4).
@@ -868,8 +878,7 @@ def staged_weights(spec: QuantSpec, n: int, k: int, half: str, chunks: int, slab
 
     @device
     def fetch_group(tiles, buffer, local_slab, local_chunk, lane_id, group, raw):
-        first = (buffer * stage_words + (local_slab * chunks + local_chunk) * words_per_chunk
-                 + lane_id * words_per_lane + group * (words_per_lane // 4))
+        first = code_word(buffer, local_slab, local_chunk, lane_id) + group * (words_per_lane // 4)
         if words_per_lane == 4:
             raw[0] = shared1(tiles, first)
         else:
@@ -877,16 +886,13 @@ def staged_weights(spec: QuantSpec, n: int, k: int, half: str, chunks: int, slab
 
     @device
     def fetch_group_scales(tiles, buffer, local_slab, local_chunk, lane_id, group, raw):
-        base = buffer * stage_words
-        column = (local_slab * SLAB_K // group_size if stage_groups > 1 else 0) * chunks + local_chunk
-        scales = base + weight_words + column * chunk_scale_words + (lane_id // 4) * scale_words
+        scales, zeros = scale_word(buffer, local_slab, local_chunk, lane_id)
         if scale_words == 4:  # 16-bit scales: group j's two in word j
             raw[words_per_lane] = shared1(tiles, scales + group)
         else:  # ue5m3 bytes: group j's two in half j % 2 of word j / 2
             raw[words_per_lane] = uint32(shared1(tiles, scales + group // 2)) >> (uint32(16) * (group % 2))
         if zero_words:
-            raw[words_per_lane + scale_words] = (uint32(shared1(tiles, base + weight_words + scale_total + column * 8
-                                                                + lane_id // 4)) >> (group_shift * group))
+            raw[words_per_lane + scale_words] = uint32(shared1(tiles, zeros)) >> (group_shift * group)
 
     chunk_zero_words = 8 * zero_words
     # Chunks whose scales (and zero points) are stored one after another: a panel's (the
