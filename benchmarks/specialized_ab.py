@@ -5,13 +5,13 @@
 
 For each job (shape:format:M, as `compare_trees.py` names them) one layer and one routed
 batch, run two ways: the oracle's warp-specialised backend (`moe.oracle.specialized_backend`,
-`numba_kernels.gemm_specialized`) and the backend it picks without it (the tuned entry or
-the heuristic's tiles); with `--variant`, a third: the warp-specialised GEMM with those
-fields of its `SpecializedTile` changed. First the outputs are compared with the tiles'
-(largest difference over the largest output); then, round by round, each way's two GEMMs
-as `bench_moe.py` times them (replayed from a CUDA graph, the L2 flushed, best of three
-medians; the warp-specialised pair with its gather and activation kernels) and its whole
-layer. A job the warp-specialised GEMM does not take (its shape, format or slots an
+`numba_kernels.gemm_specialized`, at the tile the token count takes) and the backend it
+picks without it (the tuned entry or the heuristic's tiles); with `--variant`, a third:
+the warp-specialised GEMM with that tile's fields changed as given. First the outputs are
+compared with the tiles' (largest difference over the largest output); then, round by
+round, each way's two GEMMs as `bench_moe.py` times them (replayed from a CUDA graph, the
+L2 flushed, best of three medians; the warp-specialised pair with its gather and
+activation kernels) and its whole layer. A job the warp-specialised GEMM does not take (its shape, format or slots an
 expert) is timed once, and says so.
 """
 
@@ -29,13 +29,16 @@ from compare_trees import parse_job
 from moe import MoEConfig, MoELayer
 from numba_kernels.gemm_specialized import SpecializedTile
 
-DEFAULT_TILE = moe.oracle.SPECIALIZED_TILE
+NARROW, WIDE = moe.oracle.SPECIALIZED_TILE, moe.oracle.WIDE_SPECIALIZED_TILE
+OWN = "the oracle's"
 
 
-def choose(tile: SpecializedTile | None) -> None:
-    """The oracle's choice from now on: the warp-specialised GEMM with `tile`, or (None) without it."""
+def choose(tile: SpecializedTile | str | None) -> None:
+    """The oracle's choice from now on: the warp-specialised GEMM at its own tiles (OWN), at
+    `tile` whatever the token count, or (None) not at all."""
     moe.oracle.USE_SPECIALIZED = tile is not None
-    moe.oracle.SPECIALIZED_TILE = tile or DEFAULT_TILE
+    forced = isinstance(tile, SpecializedTile)
+    moe.oracle.SPECIALIZED_TILE, moe.oracle.WIDE_SPECIALIZED_TILE = (tile, tile) if forced else (NARROW, WIDE)
 
 
 def time_way(timer, layer, hidden, logits, topk_weights, topk_ids) -> tuple[float, float]:
@@ -44,15 +47,16 @@ def time_way(timer, layer, hidden, logits, topk_weights, topk_ids) -> tuple[floa
     return gemm_ms * 1e3, layer_ms * 1e3
 
 
-def run_job(timer, job: str, rounds: int, variant: SpecializedTile | None) -> None:
+def run_job(timer, job: str, rounds: int, variant: dict[str, int]) -> None:
     shape, format_name, tokens = parse_job(job)
     config = MoEConfig(**SHAPES[shape], quant=FORMATS[format_name])
-    variants = {} if variant is None else {f"variant {variant}": variant}
-    ways = {"warp-specialised": DEFAULT_TILE, **variants, "tiles": None}
+    changed = attrs.evolve(moe.oracle.specialized_tile(config, tokens), **variant)
+    ways = {"warp-specialised": OWN, **({f"variant {changed}": changed} if variant else {}), "tiles": None}
     layers = {}
-    for name in ways:  # each way a workspace of its own (its recorded forwards)
-        choose(DEFAULT_TILE)  # so that every workspace holds both kinds of buffers
+    for name, tile in ways.items():  # each way a workspace of its own (its recorded forwards), sized for it
+        choose(tile)
         layers[name] = MoELayer(config, max_tokens=tokens)
+    choose(OWN)
     layers["tiles"].weights.fill_random(seed=1)
     for layer in layers.values():
         layer.weights = layers["tiles"].weights
@@ -77,15 +81,18 @@ def run_job(timer, job: str, rounds: int, variant: SpecializedTile | None) -> No
             choose(tile)
             gemm_us, layer_us = time_way(timer, layers[name], hidden, logits, topk_weights, topk_ids)
             print(f"  round {round_ + 1} {name:16s} GEMMs {gemm_us:9.1f} us   layer {layer_us:9.1f} us", flush=True)
-    choose(DEFAULT_TILE)
+    choose(OWN)
     del layers
     torch.cuda.empty_cache()
 
 
-def parse_variant(fields: list[str]) -> SpecializedTile:
-    """`--variant`'s KEY=VALUE fields as a SpecializedTile (the default's other fields)."""
+def parse_variant(fields: list[str]) -> dict[str, int]:
+    """`--variant`'s KEY=VALUE fields, checked as changes to both of the oracle's tiles."""
     try:
-        return attrs.evolve(DEFAULT_TILE, **{key: int(value) for key, value in (f.split("=") for f in fields)})
+        variant = {key: int(value) for key, value in (f.split("=") for f in fields)}
+        for tile in (NARROW, WIDE):
+            attrs.evolve(tile, **variant)
+        return variant
     except (TypeError, ValueError) as error:
         raise argparse.ArgumentTypeError(f"--variant takes SpecializedTile fields as KEY=INT: {error}") from None
 
@@ -95,23 +102,28 @@ def main(argv=None) -> None:
     parser.add_argument("--jobs", nargs="+", default=["mixtral:w4a16-g128:256", "mixtral:nvfp4:256"],
                         help="shape:format:M")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--window", type=float, nargs=2, metavar=("LOW", "HIGH"),
-                        help="slots an expert at which the oracle takes the warp-specialised GEMM (default "
-                             f"{moe.oracle.SPECIALIZED_TOKENS_PER_EXPERT}): to time it beyond")
+    parser.add_argument("--from-slots", type=float, metavar="SLOTS",
+                        help="slots an expert from which the oracle takes the warp-specialised GEMM (default "
+                             f"{moe.oracle.SPECIALIZED_TOKENS_PER_EXPERT}): to time it below")
+    parser.add_argument("--expert-weights", type=int, metavar="WEIGHTS",
+                        help="weights an expert (hidden x intermediate) from which the oracle takes it (default "
+                             f"{moe.oracle.SPECIALIZED_EXPERT_WEIGHTS}): to time it on smaller experts")
     parser.add_argument("--variant", nargs="+", metavar="FIELD=VALUE",
                         help="also time the warp-specialised GEMM with these SpecializedTile fields changed")
     args = parser.parse_args(argv)
     for job in args.jobs:
         parse_job(job)
     try:
-        variant = parse_variant(args.variant) if args.variant else None
+        variant = parse_variant(args.variant) if args.variant else {}
     except argparse.ArgumentTypeError as error:
         parser.error(str(error))
     if not torch.cuda.is_available():
         parser.error("it times kernels on a CUDA GPU and none is available here (the warp-specialised GEMM's "
                      "checks run in the simulator: tests/test_specialized.py)")
-    if args.window:
-        moe.oracle.SPECIALIZED_TOKENS_PER_EXPERT = tuple(args.window)
+    if args.from_slots is not None:
+        moe.oracle.SPECIALIZED_TOKENS_PER_EXPERT = args.from_slots
+    if args.expert_weights is not None:
+        moe.oracle.SPECIALIZED_EXPERT_WEIGHTS = args.expert_weights
     timer = Timer()
     print(f"{torch.cuda.get_device_name()}")
     for job in args.jobs:

@@ -8,8 +8,8 @@ moe.tune`), topped up by those another GPU of the same architecture measured (`t
 an H100 takes the H200's tiles for the token counts it has not tuned itself, rather than
 the untuned heuristic), and falls back to a heuristic. Where no entry was tuned with the
 warp-specialised GEMM among its candidates (every table from before it), the oracle may
-take that GEMM first (`specialized_backend`: Hopper, tens of slots an expert, large
-experts). The heuristic:
+take that GEMM first (`specialized_backend`: Hopper, from tens of slots an expert up,
+large experts). The heuristic:
 
 * decode (few tokens per expert): operands straight from global memory, 4 warps splitting
   K, batches of 2 slabs each (double buffered; 4 with swapped operands), and a K split
@@ -192,15 +192,13 @@ def _prefill_backend(config: MoEConfig, num_tokens: int) -> Backend:
     return _filled_backend(tile, config, num_tokens)
 
 
-SPECIALIZED_TOKENS_PER_EXPERT = (32, 80)
-"""Expected slots an expert at which both GEMMs run warp-specialised (on Hopper): from
-tens of slots (the prefill tiles latency-bound) to as many as one CTA's part of a block
-takes (`SpecializedTile.max_width`; an expert of more takes a second part, decoding its
-weights again). Measured on the H200 (seventy-second session of benchmarks/LOG.md, the
-layer's GEMMs against its tiles): Mixtral M = 256 (64 an expert) 604 against 686 to 715
-us (w4a16; NVFP4 660 against 693); at 32 an expert Mixtral M = 128 520 against 634, but
-DeepSeek M = 1024 3932 against 3813 (its layer 4044 against 4071); at 128 an expert
-(Mixtral M = 512, seventy-first session) 1.16x slower."""
+SPECIALIZED_TOKENS_PER_EXPERT = 32
+"""Expected slots an expert from which both GEMMs run warp-specialised (on Hopper): from
+tens of slots, where the prefill tiles are latency-bound, up. Measured on the H200 (the
+layer's GEMMs against its tiles): Mixtral M = 128 (32 an expert) 350 against 632 us
+(seventy-fourth session of benchmarks/LOG.md); M = 256 (64) 448 against 701 to 733;
+M = 1024 (256) 1704 against 2106 (80 wide, two parts a block); M = 4096 (1024) 6177
+against 8152 (128 wide, seventy-fifth session)."""
 SPECIALIZED_EXPERT_WEIGHTS = 8 << 20
 """Weights an expert (hidden x intermediate) from which it pays: an expert's stages are
 decoded once a part, which gains where an expert's weights are large. Measured on the
@@ -209,12 +207,29 @@ flight): DeepSeek-V3 (14.7 M) 5.08 against 6.71 ms, Mixtral (58.7 M) 604 against
 Qwen3-30B-A3B (1.6 M) 360 against 329 us."""
 USE_SPECIALIZED = os.environ.get("NUMBA_MOE_SPECIALIZED", "1") != "0"
 """NUMBA_MOE_SPECIALIZED=0: never the warp-specialised GEMM (what it buys, side by side)."""
+SPECIALIZED_TILE = SpecializedTile()
+"""The warp-specialised GEMM up to 80 slots an expert: an expert's slots one part, two
+CTAs an SM (module constants, so that `benchmarks/specialized_ab.py` can time others)."""
+WIDE_SPECIALIZED_TILE = SpecializedTile(max_width=128)
+"""Beyond: parts of 128 slots, one CTA an SM (`SpecializedTile.ctas_per_sm`), so an
+expert's weights are decoded once for every 128 slots rather than every 64 (the narrow
+tile's blocks of 128 are two parts). Mixtral M = 4096 on the H200 (seventy-fifth
+session): 6177 us against 7055 with SPECIALIZED_TILE."""
 
 
-def specialized_slots(config: MoEConfig, max_tokens: int) -> int:
-    """The most slots of a call of up to `max_tokens` tokens that `specialized_backend`
-    may take (what the workspace sizes its buffers for)."""
-    return min(max_tokens * config.top_k, int(SPECIALIZED_TOKENS_PER_EXPERT[1] * config.num_experts))
+def specialized_tile(config: MoEConfig, num_tokens: int) -> SpecializedTile:
+    """The warp-specialised GEMM's tile at `num_tokens` tokens: SPECIALIZED_TILE while an
+    expert's expected slots fit one of its parts, else WIDE_SPECIALIZED_TILE."""
+    fits = slots_per_expert(config, num_tokens) <= SPECIALIZED_TILE.max_width
+    return SPECIALIZED_TILE if fits else WIDE_SPECIALIZED_TILE
+
+
+def specialized_slots(config: MoEConfig, max_tokens: int, tile: SpecializedTile) -> int:
+    """The most slots of a call of up to `max_tokens` tokens that the oracle runs on
+    `tile` (what the workspace sizes its buffers for): SPECIALIZED_TILE only up to its
+    max_width an expert (`specialized_tile`), the wide tile at any count."""
+    slots = max_tokens * config.top_k
+    return slots if tile == WIDE_SPECIALIZED_TILE else min(slots, tile.max_width * config.num_experts)
 
 
 def specialized_device() -> bool:
@@ -233,42 +248,28 @@ def specialized_allowed(config: MoEConfig, spec: QuantSpec) -> bool:
     return all(specialized_supported(spec, n, k, config.dtype) for n, k in ((n1, h), (h, i)))
 
 
-def within_parts(config: MoEConfig, num_tokens: int) -> bool:
-    """Whether `num_tokens` tokens give the experts at most a CTA's part of slots each, as
-    expected (beyond, an expert's weights are decoded again a part: not taken, and the
-    workspace is not sized for it, `specialized_slots`)."""
-    return slots_per_expert(config, num_tokens) <= SPECIALIZED_TOKENS_PER_EXPERT[1]
-
-
 def specialized_candidate(config: MoEConfig, num_tokens: int, spec: QuantSpec) -> bool:
     """Whether the tuner times the warp-specialised GEMM at `num_tokens` tokens: where it
     can run (`specialized_allowed`), in the prefill regime (more than
-    DECODE_TOKENS_PER_EXPERT slots an expert) and `within_parts`."""
-    return (slots_per_expert(config, num_tokens) > DECODE_TOKENS_PER_EXPERT
-            and within_parts(config, num_tokens) and specialized_allowed(config, spec))
+    DECODE_TOKENS_PER_EXPERT slots an expert)."""
+    return slots_per_expert(config, num_tokens) > DECODE_TOKENS_PER_EXPERT and specialized_allowed(config, spec)
 
 
-SPECIALIZED_TILE = SpecializedTile()
-"""The warp-specialised GEMM's configuration where no tuned entry names one (a module
-constant, so that `benchmarks/specialized_ab.py` can time another beside it)."""
-
-
-def warp_specialised(tile: SpecializedTile | None = None) -> Backend:
-    """The backend of both GEMMs warp-specialised with `tile` (SPECIALIZED_TILE by
-    default; its prefill tiles never run)."""
-    tile = SPECIALIZED_TILE if tile is None else tile
+def warp_specialised(tile: SpecializedTile) -> Backend:
+    """The backend of both GEMMs warp-specialised with `tile` (its prefill tiles never run)."""
     unused = attrs.evolve(PREFILL_TILE, block_m=tile.block_m)
     return Backend(tile.block_m, unused, unused, tile)
 
 
 def specialized_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec) -> Backend | None:
-    """The untuned choice of the warp-specialised GEMM (`warp_specialised`): a candidate
-    (`specialized_candidate`) where the token count (`SPECIALIZED_TOKENS_PER_EXPERT`) and
-    the experts' size (`SPECIALIZED_EXPERT_WEIGHTS`) say so; else None."""
-    if (SPECIALIZED_TOKENS_PER_EXPERT[0] <= slots_per_expert(config, num_tokens)
+    """The untuned choice of the warp-specialised GEMM (`warp_specialised` with
+    `specialized_tile`): a candidate (`specialized_candidate`) where the token count
+    (`SPECIALIZED_TOKENS_PER_EXPERT`) and the experts' size (`SPECIALIZED_EXPERT_WEIGHTS`)
+    say so; else None."""
+    if (SPECIALIZED_TOKENS_PER_EXPERT <= slots_per_expert(config, num_tokens)
             and config.hidden_size * config.intermediate_size >= SPECIALIZED_EXPERT_WEIGHTS
             and specialized_candidate(config, num_tokens, spec)):
-        return warp_specialised()
+        return warp_specialised(specialized_tile(config, num_tokens))
     return None
 
 
@@ -388,9 +389,10 @@ def select_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec, *, speci
     TUNED_REACH * m, else the heuristic; either only if its tiles can read `spec` (a
     layout sharing a tuned spec's name, act-order's K-sorted tiles, may not be staged).
     The warp-specialised GEMM only where `specialized` (it reads routed slots: not the
-    batched layout's, not a call whose hooks see the GEMMs' rows) and `within_parts`: as
-    the entry says, or by `specialized_backend` where no entry was tuned with it as a
-    candidate (its "specialized" key; the tables from before it lack the key)."""
+    batched layout's, not a call whose hooks see the GEMMs' rows): as the entry says, at
+    the tile the token count takes (`specialized_tile`: what the workspace is sized for),
+    or by `specialized_backend` where no entry was tuned with it as a candidate (its
+    "specialized" key; the tables from before it lack the key)."""
     if num_tokens < 1:
         raise ValueError(f"num_tokens must be positive, got {num_tokens}")
     _, entries = tuned_entries(config, spec)
@@ -404,9 +406,8 @@ def select_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec, *, speci
         backend = backend_from_dict(entry)
         if backend.specialized is None and runs_on(config, spec, backend):
             return backend
-        if (backend.specialized is not None and specialized and within_parts(config, num_tokens)
-                and specialized_allowed(config, spec)):
-            return backend
+        if backend.specialized is not None and specialized and specialized_allowed(config, spec):
+            return warp_specialised(specialized_tile(config, num_tokens))
     return heuristic_backend(config, num_tokens, spec)
 
 

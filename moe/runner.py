@@ -11,8 +11,8 @@
                   it, one kernel fewer: a decode tile in its last CTAs
                   (`numba_kernels.epilogue`), a prefill gemm1 tile in its epilogue
                   (`gemm.paired_activation`); unless a post_gemm hook must see the
-                  GEMM's output first. A warp-specialised backend (Hopper, tens of slots
-                  an expert: `oracle.specialized_backend`) runs instead: the hidden
+                  GEMM's output first. A warp-specialised backend (Hopper, from tens of
+                  slots an expert: `oracle.specialized_backend`) runs instead: the hidden
                   states gathered into stage blocks, gemm1, the activation into gemm2's
                   stage blocks, gemm2, combine (`specialized_gemm1`, `specialized_gemm2`);
                   calls with hooks take the tiles.

@@ -19,8 +19,9 @@ GEMMs where gemm1 leaves it, as the layer does and the benchmark's GEMMs column 
 so at Qwen3 w4a16 M = 1 the tuner sees no gain in gemm1 releasing early, which that column
 times 0.6 us faster and the layer 0.2 (within the spread; H200, benchmarks/LOG.md). Where
 the warp-specialised GEMM can run (Hopper, the native layout) and the experts get more
-than a decode tile's slots and at most a CTA's part each (`oracle.specialized_candidate`),
-it is timed too, with its gather, activation and combine, as one more pair. The fastest
+than a decode tile's slots (`oracle.specialized_candidate`), it is timed too, at the tile
+the token count takes (`oracle.specialized_tile`), with its gather, activation and
+combine, as one more pair. The fastest
 pair wins, over all block sizes; its entry says whether it is the warp-specialised GEMM
 ("specialized"). A time is the mean over `routings` random routings (3 by default): with
 a few slots per expert one draw can rank two tiles the other way round from the next
@@ -62,7 +63,8 @@ from numba_kernels.launch import replaying
 from .config import MoEConfig, QuantScheme
 from .oracle import (DECODE_TILE, SWAPPED_DECODE_TILE, Backend, activation_finishable, backend_from_dict,
                      backend_to_dict, device_architecture, device_name, heuristic_backend, select_backend, shape_key,
-                     shape_prefix, slots_per_expert, specialized_candidate, tuned_path, tuned_tables, warp_specialised)
+                     shape_prefix, slots_per_expert, specialized_candidate, specialized_tile, tuned_path, tuned_tables,
+                     warp_specialised)
 from .runner import fused_activation, fused_combine, specialized_gemm1, specialized_gemm2
 from .weights import ExpertWeights, kernel_spec
 from .workspace import arrivals_elements, gemm_out_elements, gemm_view
@@ -364,7 +366,7 @@ def tune(config: MoEConfig, token_counts: Iterable[int], *, measure: Measure | N
                 if report:
                     report(tokens, "pair", backend, pairs[backend])
         if specialized_candidate(config, tokens, weights.spec):
-            backend = warp_specialised()
+            backend = warp_specialised(specialized_tile(config, tokens))
             pairs[backend] = timed([specialized_runner(backend.specialized)], backend)
             if report:
                 report(tokens, "pair", backend, pairs[backend])

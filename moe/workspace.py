@@ -80,7 +80,7 @@ def specialized_elements(config: MoEConfig, backend: Backend, max_tokens: int) -
     tile = backend.specialized
     if tile is None:
         return 0, 0, 0, 0
-    slots = specialized_slots(config, max_tokens)
+    slots = specialized_slots(config, max_tokens, tile)
     blocks = align_sizes(slots, config.num_experts, tile.block_m)[1]
     parts = blocks * tile.sub_blocks
     return (-(-blocks * tile.block_m * config.gate_up_size // 2), -(-(slots + 1) * config.hidden_size // 2),

@@ -347,22 +347,26 @@ def test_prefill_gemm1_finishing_the_activation_equals_the_separate_kernels(shap
 @pytest.mark.parametrize("quant", [QuantScheme("gptq", group_size=128),
                                    QuantScheme("gptq", group_size=128, symmetric=False),
                                    QuantScheme("nvfp4", nvfp4_checkpoint="modelopt")], ids=["int4", "zeros", "nvfp4"])
-def test_warp_specialised_layer_matches_the_reference(quant, monkeypatch):
+@pytest.mark.parametrize("tokens", [256, 1024])
+def test_warp_specialised_layer_matches_the_reference(quant, tokens, monkeypatch):
     """At 64 slots an expert on Hopper the oracle takes the warp-specialised GEMM (each
-    block's part at the width its count needs; experts of any size here): the layer
-    equals its float64 definition, a replay (new inputs) gives what the tiles give, and
-    the same bits every time (with the wait for the last wgmma after the main loop,
-    ptxas read the accumulators before it, and a run missed the last stage at random)."""
+    block's part at the width its count needs; experts of any size here), at 256 its
+    wide tile (parts of up to 128 slots, one CTA an SM): the layer equals its float64
+    definition, a replay (new inputs) gives what the tiles give, and the same bits every
+    time (with the wait for the last wgmma after the main loop, ptxas read the
+    accumulators before it, and a run missed the last stage at random)."""
     monkeypatch.setattr(moe.oracle, "SPECIALIZED_EXPERT_WEIGHTS", 0)
     config = MoEConfig(num_experts=8, top_k=2, hidden_size=1024, intermediate_size=512, quant=quant)
-    if select_backend(config, 256, kernel_spec(config)).specialized is None:
+    backend = select_backend(config, tokens, kernel_spec(config))
+    if backend.specialized is None:
         pytest.skip("the warp-specialised GEMM runs on sm_90 only")
+    assert backend.specialized == moe.oracle.specialized_tile(config, tokens)
     checkpoint = random_checkpoint(config, np.random.default_rng(1))
-    layer, plain = MoELayer(config, max_tokens=256), MoELayer(config, max_tokens=256)
+    layer, plain = MoELayer(config, max_tokens=tokens), MoELayer(config, max_tokens=tokens)
     layer.load_weights(checkpoint.w1, checkpoint.w2, checkpoint.w3)
     layer.checkpoint = checkpoint
     for seed in (0, 1):
-        hidden, logits = _inputs(config, 256, seed)
+        hidden, logits = _inputs(config, tokens, seed)
         out = layer(hidden, logits).clone()
         assert _error(out, _reference(layer, hidden, logits)) < 2e-2
     assert torch.equal(layer(hidden, logits), out)

@@ -1,7 +1,7 @@
 """The warp-specialised GEMM (`numba_kernels.gemm_specialized`) and its stage blocks, under
 the simulator: gather -> gemm1 (blocked rows) -> activation into stage blocks -> gemm2
 (a row a slot) equal the spec's dequantised product for blocks of several widths; the
-layer takes it where the oracle says (Hopper, tens of slots an expert, or a tuned entry),
+layer takes it where the oracle says (Hopper, from tens of slots an expert, or a tuned entry),
 replays it, and keeps the tiles for hooked calls; the workspace fits it; bad arguments
 and configurations fail by name."""
 
@@ -150,10 +150,12 @@ def test_oracle_takes_it_only_where_device_slots_and_weights_allow(monkeypatch):
                         quant=QuantScheme("gptq", bits=4, group_size=128))
     assert moe.oracle.specialized_backend(mixtral, 256, kernel_spec(mixtral)) is not None
     _as_on_hopper(monkeypatch)
-    low, high = moe.oracle.SPECIALIZED_TOKENS_PER_EXPERT
-    assert select_backend(config, int(low), spec).specialized is not None
-    assert select_backend(config, int(low) - 1, spec).specialized is None  # too few slots an expert
-    assert select_backend(config, int(high) + 1, spec).specialized is None  # more than a block holds
+    low = moe.oracle.SPECIALIZED_TOKENS_PER_EXPERT
+    assert select_backend(config, low, spec).specialized == moe.oracle.SPECIALIZED_TILE
+    assert select_backend(config, low - 1, spec).specialized is None  # too few slots an expert
+    assert select_backend(config, 80, spec).specialized == moe.oracle.SPECIALIZED_TILE  # a part of a block each
+    assert select_backend(config, 81, spec).specialized == moe.oracle.WIDE_SPECIALIZED_TILE  # more: parts of 128
+    assert select_backend(config, 4096, spec).specialized == moe.oracle.WIDE_SPECIALIZED_TILE
     assert select_backend(config, 36, spec, specialized=False).specialized is None
     assert select_batched_backend(config, 36, spec).specialized is None  # the batched layout reads no routing
     act_order = _tiny_config(QuantScheme("gptq", bits=4, group_size=64, act_order=True))
@@ -170,16 +172,20 @@ def test_oracle_takes_it_only_where_device_slots_and_weights_allow(monkeypatch):
 
 
 def test_workspace_sizes_its_buffers_for_the_calls_the_oracle_runs_so(monkeypatch):
-    """The stage blocks and the parts' widths are sized for the most slots a call the
-    oracle runs warp-specialised can have (80 an expert), not for max_tokens."""
+    """The stage blocks and the parts' widths fit the most slots a call the oracle runs
+    warp-specialised can have: up to 80 an expert on the narrow tile, every slot of
+    max_tokens on the wide one."""
     _as_on_hopper(monkeypatch)
     config = _tiny_config()
+    assert moe.oracle.specialized_slots(config, 4096, moe.oracle.SPECIALIZED_TILE) == 160  # 80 an expert, of 8192
+    assert moe.oracle.specialized_slots(config, 4096, moe.oracle.WIDE_SPECIALIZED_TILE) == 8192
     workspace = Workspace(config, 4096, kernel_spec(config))
-    slots = int(moe.oracle.SPECIALIZED_TOKENS_PER_EXPERT[1]) * config.num_local_experts  # 160 of 8192
-    parts = align_sizes(slots, config.num_experts, 128)[1] * SpecializedTile().sub_blocks
-    buffers = workspace.buffers(80, select_backend(config, 80, kernel_spec(config)))
-    assert buffers.picks.numel() == parts and buffers.gemm2_out.shape == (161, 128)
-    assert buffers.stage_blocks.numel() == parts * 2 * SpecializedTile().block_words()  # K = 128: two stages
+    for tokens, tile in ((80, moe.oracle.SPECIALIZED_TILE), (4096, moe.oracle.WIDE_SPECIALIZED_TILE)):
+        slots = tokens * config.top_k
+        parts = align_sizes(slots, config.num_experts, 128)[1] * tile.sub_blocks
+        buffers = workspace.buffers(tokens, select_backend(config, tokens, kernel_spec(config)))
+        assert buffers.picks.numel() == parts and buffers.gemm2_out.shape == (slots + 1, 128)
+        assert buffers.stage_blocks.numel() >= parts * 2 * tile.block_words()  # K = 128: two stages
     plain = workspace.buffers(80, select_backend(config, 80, kernel_spec(config), specialized=False))
     assert plain.picks is None and plain.gemm1_out.shape[-2:] == (160, 256)  # slot rows (split or not)
 
@@ -188,7 +194,7 @@ def test_backends_round_trip_through_the_tuned_tables_format():
     tile = moe.oracle.PREFILL_TILE
     plain = Backend(64, tile, tile)
     assert backend_to_dict(plain)["specialized"] is None and backend_from_dict(backend_to_dict(plain)) == plain
-    specialized = moe.oracle.warp_specialised()
+    specialized = moe.oracle.warp_specialised(SpecializedTile())
     assert specialized == Backend(128, attrs.evolve(tile, block_m=128), attrs.evolve(tile, block_m=128),
                                   SpecializedTile())
     assert backend_from_dict(backend_to_dict(specialized)) == specialized
@@ -201,6 +207,7 @@ def test_bad_configurations_fail_by_name():
         with pytest.raises(ValueError, match="width_step must be a multiple of 8"):
             SpecializedTile(**fields)
     assert SpecializedTile().widths == (16, 32, 48, 64, 80) and SpecializedTile().sub_blocks == 2
+    assert SpecializedTile().ctas_per_sm == 2 and SpecializedTile(max_width=128).ctas_per_sm == 1  # registers
     spec = formats.native(4, 128)
     assert specialized_supported(spec, 256, 4096, "bfloat16")
     for n, k in ((256, 4096 + 16), (192, 4096)):  # K in whole stages of 64, N in whole panels of 128
@@ -213,8 +220,8 @@ def test_bad_configurations_fail_by_name():
 def test_the_tuner_times_it_and_the_oracle_takes_what_it_measured(tmp_path, monkeypatch):
     """On "Hopper" the tuner times the warp-specialised backend beside the tile pairs (its
     gather, GEMMs, activation and combine in one replay) and saves it where it is the
-    fastest; the oracle then takes it from the table, but not for calls that need tiles
-    (hooks) or give an expert more than a part of slots."""
+    fastest; the oracle then takes it from the table (at the tile the token count takes),
+    but not for calls that need tiles (hooks)."""
     from moe.tune import save, tune
 
     monkeypatch.setattr(moe.oracle, "TUNED_DIR", tmp_path)
@@ -231,13 +238,14 @@ def test_the_tuner_times_it_and_the_oracle_takes_what_it_measured(tmp_path, monk
     try:
         best = tune(config, [36], measure=measure, candidates=lambda tokens, config, k: [tile], progress=False,
                     routings=1)
-        assert best[36] == moe.oracle.warp_specialised()
+        assert best[36] == moe.oracle.warp_specialised(moe.oracle.SPECIALIZED_TILE)
         assert (best[36], 6) in timed  # alignment, gather, gemm1, activation, gemm2, combine
         save(config, best)
         spec = kernel_spec(config)
         assert select_backend(config, 36, spec) == best[36]
         assert select_backend(config, 36, spec, specialized=False).specialized is None
-        assert select_backend(config, 100, spec).specialized is None  # 100 slots an expert: more than a part
+        wide = select_backend(config, 100, spec)  # 100 slots an expert, in the entry's reach: the wide tile
+        assert wide == moe.oracle.warp_specialised(moe.oracle.WIDE_SPECIALIZED_TILE)
         assert not moe.oracle.specialized_candidate(config, 16, spec)  # 16 an expert: decode tiles' regime
     finally:
         moe.oracle.tuned_tables.cache_clear()

@@ -22,7 +22,7 @@ alignment (plain `LDG.E`, under the other predicate) belong; an activation load 
 would read it unfinished (the sixty-first session's race). A listing to read beside the
 SASS, not a verdict: it does not follow branches (a plain `LDG.E` without a predicate may
 sit in a block only later CTAs run). With `--specialized`, the warp-specialised GEMM
-(`gemm_specialized`) at Mixtral's two GEMMs: its HGMMA, its waits for all but the newest
+(`gemm_specialized`, the oracle's two tiles) at Mixtral's two GEMMs: its HGMMA, its waits for all but the newest
 group (the main loop, pipelined) and for all groups, and the reads of accumulators
 (F2FP, FMUL) that the SASS places after an HGMMA but before a wait for all groups; that
 count must be 0 (the seventy-second session found ptxas had moved the stores' reads above
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import re
 
 import attrs
@@ -42,7 +43,8 @@ from .ptx_check import compile_kernel, sass  # first: numba_kernels would pick t
 
 from layouts import QuantSpec, formats  # noqa: E402
 from layouts.samples import random_quantized  # noqa: E402
-from moe.oracle import DECODE_TILE, PREFILL_TILE, SPECIALIZED_TILE, SWAPPED_DECODE_TILE, writes_partials  # noqa: E402
+from moe.oracle import (DECODE_TILE, PREFILL_TILE, SPECIALIZED_TILE, SWAPPED_DECODE_TILE,  # noqa: E402
+                        WIDE_SPECIALIZED_TILE, writes_partials)
 from numba_kernels.activation import Activation  # noqa: E402
 from numba_kernels.epilogue import activation_kind, combine_kind  # noqa: E402
 from numba_kernels.gemm import GemmTile, make_grouped_gemm, stores_pairs  # noqa: E402
@@ -140,10 +142,10 @@ def loads_before_wait(spec: QuantSpec, tile: GemmTile) -> str:
     return " | ".join(segments) or "no wait"
 
 
-def specialized_waits(spec: QuantSpec, n: int, k: int, blocked: bool) -> str:
+def specialized_waits(spec: QuantSpec, n: int, k: int, tile, blocked: bool) -> str:
     """Registers, HGMMA, waits and accumulator reads before a full wait in the SASS of the
-    warp-specialised GEMM (the oracle's tile) for weights (n, k) an expert."""
-    kernel, _, _ = make_specialized_kernel(spec, n, k, "bfloat16", SPECIALIZED_TILE, blocked)
+    warp-specialised GEMM with `tile` for weights (n, k) an expert."""
+    kernel, _, _ = make_specialized_kernel(spec, n, k, "bfloat16", tile, blocked)
     ids = np.zeros(16, np.int32)
     compiled = compile_kernel(kernel, ids, _kernel_arrays(spec, (2, 256, 256)), ids, ids, ids,
                               np.zeros((16, n), np.int16))
@@ -170,9 +172,11 @@ def main(argv=None) -> None:
                        help="the warp-specialised GEMM's wgmma waits in its SASS (needs nvdisasm)")
     args = parser.parse_args(argv)
     if args.specialized:
-        for spec in (formats.native(4, 128), formats.native(fp4=True)):
+        for spec, tile in itertools.product((formats.native(4, 128), formats.native(fp4=True)),
+                                            (SPECIALIZED_TILE, WIDE_SPECIALIZED_TILE)):
             for name, n, k, blocked in (("gemm1", 28672, 4096, True), ("gemm2", 4096, 14336, False)):
-                print(f"{spec.name:12s} {name} (N={n}, K={k}): {specialized_waits(spec, n, k, blocked)}", flush=True)
+                print(f"{spec.name:12s} {tile.max_width} wide {name} (N={n}, K={k}): "
+                      f"{specialized_waits(spec, n, k, tile, blocked)}", flush=True)
         return
     report = digest if args.digest else loads_before_wait if args.before_wait else resources
     for spec, tile in CASES:
