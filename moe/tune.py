@@ -67,7 +67,7 @@ from .oracle import (DECODE_TILE, SWAPPED_DECODE_TILE, Backend, activation_finis
                      warp_specialised)
 from .runner import fused_activation, fused_combine, specialized_gemm1, specialized_gemm2
 from .weights import ExpertWeights, kernel_spec
-from .workspace import arrivals_elements, gemm_out_elements, gemm_view
+from .workspace import arrivals_elements, gemm_out_elements, gemm_view, specialized_sizes
 
 Measure = Callable[[Callable[[], None], GemmTile | Backend], float]
 FINALISTS = 2
@@ -312,11 +312,11 @@ def tune(config: MoEConfig, token_counts: Iterable[int], *, measure: Measure | N
         def specialized_runner(tile):
             """run(alignment): both GEMMs warp-specialised with `tile`, its gather and
             activation, then the combine, as the layer runs them."""
-            blocks = align_sizes(slots, config.num_experts, tile.block_m)[1]
-            picks = torch.empty(blocks * tile.sub_blocks, dtype=torch.int32, device=device)
-            stage_blocks = torch.empty(tile.stage_words(picks.numel(), max(h, i)), dtype=torch.int32, device=device)
-            gemm1_out = torch.empty(blocks * tile.block_m, n1, dtype=half, device=device)
-            gemm2_out = torch.empty(slots + 1, h, dtype=half, device=device)
+            rows1, rows2, words, parts = specialized_sizes(config, tile, slots)
+            picks = torch.empty(parts, dtype=torch.int32, device=device)
+            stage_blocks = torch.empty(words, dtype=torch.int32, device=device)
+            gemm1_out = torch.empty(rows1, n1, dtype=half, device=device)
+            gemm2_out = torch.empty(rows2, h, dtype=half, device=device)
 
             def run(alignment):
                 specialized_gemm1(config, weights, hidden, alignment, slots, tile, picks, stage_blocks, gemm1_out)

@@ -18,6 +18,7 @@ from numba_kernels import interop
 from numba_kernels.align import align_sizes
 from numba_kernels.epilogue import arrivals_needed
 from numba_kernels.gemm import GemmTile
+from numba_kernels.gemm_specialized import SpecializedTile
 
 from .config import MoEConfig, check_config
 from .oracle import (Backend, fused_activation_kind, fused_combine_kind, select_backend, specialized_slots,
@@ -73,18 +74,26 @@ def gemm_view(buffer: torch.Tensor, tile: GemmTile, slots: int, width: int, half
     return half_rows(buffer, slots, width, half)
 
 
+def specialized_sizes(config: MoEConfig, tile: SpecializedTile, slots: int) -> tuple[int, int, int, int]:
+    """(gemm1 rows, gemm2 rows, stage-block words, parts) of a warp-specialised call of
+    `slots` slots with `tile` (`CallBuffers`): gemm1's output a row a slot of each block,
+    gemm2's a row a slot and one for the padding, the stage blocks of every part over the
+    wider of the two K."""
+    blocks = align_sizes(slots, config.num_experts, tile.block_m)[1]
+    parts = blocks * tile.sub_blocks
+    return (blocks * tile.block_m, slots + 1,
+            tile.stage_words(parts, max(config.hidden_size, config.intermediate_size)), parts)
+
+
 def specialized_elements(config: MoEConfig, backend: Backend, max_tokens: int) -> tuple[int, int, int, int]:
     """float32 elements of gemm1's and gemm2's outputs, int32 words of the stage blocks
-    and the parts' count (`picks`), for a warp-specialised backend (`CallBuffers`) of up
-    to `max_tokens` tokens; zeros for another."""
+    and the parts' count (`picks`), for a warp-specialised backend of up to `max_tokens`
+    tokens (`specialized_sizes` at `oracle.specialized_slots`); zeros for another."""
     tile = backend.specialized
     if tile is None:
         return 0, 0, 0, 0
-    slots = specialized_slots(config, max_tokens, tile)
-    blocks = align_sizes(slots, config.num_experts, tile.block_m)[1]
-    parts = blocks * tile.sub_blocks
-    return (-(-blocks * tile.block_m * config.gate_up_size // 2), -(-(slots + 1) * config.hidden_size // 2),
-            tile.stage_words(parts, max(config.hidden_size, config.intermediate_size)), parts)
+    rows1, rows2, words, parts = specialized_sizes(config, tile, specialized_slots(config, max_tokens, tile))
+    return -(-rows1 * config.gate_up_size // 2), -(-rows2 * config.hidden_size // 2), words, parts
 
 
 def half_rows(buffer: torch.Tensor, rows: int, width: int, half: torch.dtype) -> torch.Tensor:
@@ -210,10 +219,10 @@ class Workspace:
                            gemm2_out=gemm_view(self._gemm2, backend.gemm2, slots, config.hidden_size, half),
                            **permuted_views(self._permuted, config, slots))
         else:
-            outputs = dict(gemm1_out=half_rows(self._gemm1, blocks * backend.block_m, config.gate_up_size, half),
-                           gemm2_out=half_rows(self._gemm2, slots + 1, config.hidden_size, half),
-                           picks=self._picks[:blocks * backend.specialized.sub_blocks],
-                           stage_blocks=self._stage_blocks)
+            rows1, rows2, _, parts = specialized_sizes(config, backend.specialized, slots)
+            outputs = dict(gemm1_out=half_rows(self._gemm1, rows1, config.gate_up_size, half),
+                           gemm2_out=half_rows(self._gemm2, rows2, config.hidden_size, half),
+                           picks=self._picks[:parts], stage_blocks=self._stage_blocks)
         return CallBuffers(
             topk_weights=self._topk_weights[:num_tokens], topk_ids=self._topk_ids[:num_tokens],
             sorted_token_ids=self._sorted_ids[:padded], expert_ids=self._expert_ids[:blocks],
