@@ -208,13 +208,14 @@ Qwen3-30B-A3B (1.6 M) 360 against 329 us."""
 USE_SPECIALIZED = os.environ.get("NUMBA_MOE_SPECIALIZED", "1") != "0"
 """NUMBA_MOE_SPECIALIZED=0: never the warp-specialised GEMM (what it buys, side by side)."""
 SPECIALIZED_TILE = SpecializedTile()
-"""The warp-specialised GEMM up to 80 slots an expert: an expert's slots one part, two
-CTAs an SM (module constants, so that `benchmarks/specialized_ab.py` can time others)."""
+"""The warp-specialised GEMM up to 80 slots an expert: an expert's slots one part, a
+launch bound of two CTAs an SM (module constants, so that `benchmarks/specialized_ab.py`
+can time others)."""
 WIDE_SPECIALIZED_TILE = SpecializedTile(max_width=128)
-"""Beyond: parts of 128 slots, one CTA an SM (`SpecializedTile.ctas_per_sm`), so an
-expert's weights are decoded once for every 128 slots rather than every 64 (the narrow
-tile's blocks of 128 are two parts). Mixtral M = 4096 on the H200 (seventy-fifth
-session): 6177 us against 7055 with SPECIALIZED_TILE."""
+"""Beyond: parts of 128 slots under a launch bound of one CTA an SM (for the registers,
+`SpecializedTile.min_ctas_per_sm`), so an expert's weights are decoded once for every 128
+slots rather than every 64 (the narrow tile's blocks of 128 are two parts). Mixtral M =
+4096 on the H200 (seventy-fifth session): 6177 us against 7055 with SPECIALIZED_TILE."""
 
 
 def specialized_tile(config: MoEConfig, num_tokens: int) -> SpecializedTile:

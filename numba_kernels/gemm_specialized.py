@@ -62,10 +62,9 @@ CORE_LBO, CORE_SBO = 128, 256  # bytes: the next 8 of K, the next 8 slots of B's
 @attrs.frozen
 class SpecializedTile:
     """The warp-specialised GEMM's configuration: alignment blocks of `block_m` slots,
-    each cut into `sub_blocks` parts of at most `max_width` slots (a CTA each, `ctas_per_sm`
-    of them on a multiprocessor: an expert's weights are decoded once a part), wgmma
-    widths in steps of `width_step` up to max_width, and a ring of `stages` stages of 64
-    of K."""
+    each cut into `sub_blocks` parts of at most `max_width` slots (a CTA each: an expert's
+    weights are decoded once a part), wgmma widths in steps of `width_step` up to
+    max_width, and a ring of `stages` stages of 64 of K."""
 
     block_m: int = 128
     max_width: int = 80
@@ -84,12 +83,13 @@ class SpecializedTile:
         return tuple(range(self.width_step, self.max_width + 1, self.width_step))
 
     @property
-    def ctas_per_sm(self) -> int:
-        """CTAs a multiprocessor holds (the kernel's launch bound). Two up to 80 slots
-        wide: their 18 warps leave a thread 96 registers, enough at 80 (74 w4a16, 79
-        NVFP4; zero points 96 and 172 bytes spilled). One beyond: at 128 it needs 98 and
-        110, and capped at 96 ptxas serialised every wgmma (seventy-fifth session of
-        benchmarks/LOG.md)."""
+    def min_ctas_per_sm(self) -> int:
+        """The kernel's launch bound: CTAs a multiprocessor must hold, which caps the
+        registers ptxas may give a thread. Two up to 80 slots wide: ptxas then keeps to 96,
+        enough at 80 (74 w4a16, 79 NVFP4; zero points 96 and 172 bytes spilled). One
+        beyond: at 128 wide and a bound of two it serialised every wgmma; with one it
+        takes 98 (w4a16) and 110 (NVFP4) and pipelines them (seventy-fifth session of
+        benchmarks/LOG.md). How many CTAs the GPU then places is its own count."""
         return 2 if self.max_width <= 80 else 1
 
     @property
@@ -236,7 +236,7 @@ def make_specialized_kernel(spec, n: int, k: int, half: str, tile: SpecializedTi
     copy_round = functools.reduce(chain, [copier_step(b) for b in range(stages)])
     multiply = functools.reduce(chain, [multiplier(i, width) for i, width in enumerate(widths)])
 
-    @ptx.kernel(launch_bounds=(threads, tile.ctas_per_sm))
+    @ptx.kernel(launch_bounds=(threads, tile.min_ctas_per_sm))
     def specialized(act, weights, picks, expert_ids, rows, out):
         shared = cuda.shared.array(0, uint32)
         tid, panel, part = uint32(cuda.threadIdx.x), uint32(cuda.blockIdx.x), uint32(cuda.blockIdx.y)

@@ -207,7 +207,7 @@ def test_bad_configurations_fail_by_name():
         with pytest.raises(ValueError, match="width_step must be a multiple of 8"):
             SpecializedTile(**fields)
     assert SpecializedTile().widths == (16, 32, 48, 64, 80) and SpecializedTile().sub_blocks == 2
-    assert SpecializedTile().ctas_per_sm == 2 and SpecializedTile(max_width=128).ctas_per_sm == 1  # registers
+    assert SpecializedTile().min_ctas_per_sm == 2 and SpecializedTile(max_width=128).min_ctas_per_sm == 1
     spec = formats.native(4, 128)
     assert specialized_supported(spec, 256, 4096, "bfloat16")
     for n, k in ((256, 4096 + 16), (192, 4096)):  # K in whole stages of 64, N in whole panels of 128
