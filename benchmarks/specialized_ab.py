@@ -18,6 +18,7 @@ expert) is timed once, and says so.
 from __future__ import annotations
 
 import argparse
+import time
 
 import attrs
 import torch
@@ -31,6 +32,13 @@ from numba_kernels.gemm_specialized import SpecializedTile
 
 NARROW, WIDE = moe.oracle.SPECIALIZED_TILE, moe.oracle.WIDE_SPECIALIZED_TILE
 OWN = "the oracle's"
+START = time.monotonic()
+
+
+def say(line: str) -> None:
+    """`line` at once, after the seconds since the start: a device call's budget goes
+    mostly to compiling each way's kernels, which these times show."""
+    print(f"[{time.monotonic() - START:5.0f} s] {line}", flush=True)
 
 
 def choose(tile: SpecializedTile | str | None) -> None:
@@ -64,7 +72,7 @@ def run_job(timer, job: str, rounds: int, variant: dict[str, int]) -> None:
     hidden = torch.randn(tokens, config.hidden_size, generator=generator, device="cuda").to(torch.bfloat16)
     logits, topk_weights, topk_ids = routing_for(config, tokens, generator)
     if moe.oracle.specialized_backend(config, tokens, layers["tiles"].weights.spec) is None:
-        print(f"{job}: the warp-specialised GEMM does not take it; the tiles timed once")
+        say(f"{job}: the warp-specialised GEMM does not take it; the tiles timed once")
         ways, rounds = {"tiles": None}, 1
     else:
         outputs = {}
@@ -75,12 +83,12 @@ def run_job(timer, job: str, rounds: int, variant: dict[str, int]) -> None:
         for name in ways:
             if name != "tiles":
                 difference = float((outputs[name] - outputs["tiles"]).abs().max() / largest)
-                print(f"{job}: {name}'s outputs differ from the tiles' by {difference:.1e} of the largest", flush=True)
+                say(f"{job}: {name}'s outputs differ from the tiles' by {difference:.1e} of the largest")
     for round_ in range(rounds):
         for name, tile in ways.items():
             choose(tile)
             gemm_us, layer_us = time_way(timer, layers[name], hidden, logits, topk_weights, topk_ids)
-            print(f"  round {round_ + 1} {name:16s} GEMMs {gemm_us:9.1f} us   layer {layer_us:9.1f} us", flush=True)
+            say(f"  round {round_ + 1} {name:16s} GEMMs {gemm_us:9.1f} us   layer {layer_us:9.1f} us")
     choose(OWN)
     del layers
     torch.cuda.empty_cache()
@@ -125,7 +133,7 @@ def main(argv=None) -> None:
     if args.expert_weights is not None:
         moe.oracle.SPECIALIZED_EXPERT_WEIGHTS = args.expert_weights
     timer = Timer()
-    print(f"{torch.cuda.get_device_name()}")
+    say(torch.cuda.get_device_name())
     for job in args.jobs:
         run_job(timer, job, args.rounds, variant)
 
