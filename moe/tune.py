@@ -21,9 +21,8 @@ times 0.6 us faster and the layer 0.2 (within the spread; H200, benchmarks/LOG.m
 the warp-specialised GEMM can run (Hopper, the native layout) and the experts get more
 than a decode tile's slots (`oracle.specialized_candidate`), it is timed too, at the tile
 the token count takes (`oracle.specialized_tile`), with its gather, activation and
-combine, as one more pair. The fastest
-pair wins, over all block sizes; its entry says whether it is the warp-specialised GEMM
-("specialized"). A time is the mean over `routings` random routings (3 by default): with
+combine, as one more pair. The fastest pair wins, over all block sizes; its entry says
+whether it is the warp-specialised GEMM ("specialized"). A time is the mean over `routings` random routings (3 by default): with
 a few slots per expert one draw can rank two tiles the other way round from the next
 (on the H200 one draw picked a Mixtral M = 16 gemm2 tile that the benchmark's own draw
 timed 1.36x slower). The candidates are the oracle's own families
