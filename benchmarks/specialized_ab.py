@@ -1,14 +1,16 @@
 """The warp-specialised GEMM against the layer's tiles, side by side in one process, on the GPU:
 
     python3 benchmarks/specialized_ab.py --jobs mixtral:w4a16-g128:256 mixtral:nvfp4:256 [--rounds 2] \
-        [--variant max_width=64 stages=3]
+        [--variant max_width=64 stages=3] [--without-tiles]
 
 For each job (shape:format:M, as `compare_trees.py` names them) one layer and one routed
 batch, run two ways: the oracle's warp-specialised backend (`moe.oracle.specialized_backend`,
 `numba_kernels.gemm_specialized`, at the tile the token count takes) and the backend it
 picks without it (the tuned entry or the heuristic's tiles); with `--variant`, a third:
-the warp-specialised GEMM with that tile's fields changed as given. First the outputs are
-compared with the tiles' (largest difference over the largest output); then, round by
+the warp-specialised GEMM with that tile's fields changed as given (`--without-tiles` leaves
+the tiles out: their kernels take minutes to compile at prefill counts, and a device call has
+ten). First the outputs are compared with the tiles' (else the oracle's way's; largest
+difference over the largest output), each line as soon as its way has run; then, round by
 round, each way's two GEMMs as `bench_moe.py` times them (replayed from a CUDA graph, the
 L2 flushed, best of three medians; the warp-specialised pair with its gather and
 activation kernels) and its whole layer. A job the warp-specialised GEMM does not take (its shape, format or slots an
@@ -28,6 +30,7 @@ import moe.oracle
 from bench_moe import FORMATS, SHAPES, Timer, best_times, routing_for
 from compare_trees import parse_job
 from moe import MoEConfig, MoELayer
+from moe.weights import kernel_spec
 from numba_kernels.gemm_specialized import SpecializedTile
 
 NARROW, WIDE = moe.oracle.SPECIALIZED_TILE, moe.oracle.WIDE_SPECIALIZED_TILE
@@ -55,34 +58,35 @@ def time_way(timer, layer, hidden, logits, topk_weights, topk_ids) -> tuple[floa
     return gemm_ms * 1e3, layer_ms * 1e3
 
 
-def run_job(timer, job: str, rounds: int, variant: dict[str, int]) -> None:
+def run_job(timer, job: str, rounds: int, variant: dict[str, int], with_tiles: bool) -> None:
     shape, format_name, tokens = parse_job(job)
     config = MoEConfig(**SHAPES[shape], quant=FORMATS[format_name])
     changed = attrs.evolve(moe.oracle.specialized_tile(config, tokens), **variant)
-    ways = {"warp-specialised": OWN, **({f"variant {changed}": changed} if variant else {}), "tiles": None}
+    ways = {"warp-specialised": OWN, **({f"variant {changed}": changed} if variant else {}),
+            **({"tiles": None} if with_tiles else {})}
+    if moe.oracle.specialized_backend(config, tokens, kernel_spec(config)) is None:
+        say(f"{job}: the warp-specialised GEMM does not take it; the tiles timed once")
+        ways, rounds = {"tiles": None}, 1
     layers = {}
     for name, tile in ways.items():  # each way a workspace of its own (its recorded forwards), sized for it
         choose(tile)
         layers[name] = MoELayer(config, max_tokens=tokens)
-    choose(OWN)
-    layers["tiles"].weights.fill_random(seed=1)
+    weights = next(iter(layers.values())).weights
+    weights.fill_random(seed=1)
     for layer in layers.values():
-        layer.weights = layers["tiles"].weights
+        layer.weights = weights
     generator = torch.Generator(device="cuda").manual_seed(tokens)
     hidden = torch.randn(tokens, config.hidden_size, generator=generator, device="cuda").to(torch.bfloat16)
     logits, topk_weights, topk_ids = routing_for(config, tokens, generator)
-    if moe.oracle.specialized_backend(config, tokens, layers["tiles"].weights.spec) is None:
-        say(f"{job}: the warp-specialised GEMM does not take it; the tiles timed once")
-        ways, rounds = {"tiles": None}, 1
-    else:
-        choose(None)
-        expected = layers["tiles"](hidden, logits).float()
-        say(f"{job}: the tiles compiled and ran")
-        for name, tile in ways.items():  # each line as its way has compiled: a call cut short still says these
-            if name != "tiles":
-                choose(tile)
-                difference = (layers[name](hidden, logits).float() - expected).abs().max() / expected.abs().max()
-                say(f"{job}: {name}'s outputs differ from the tiles' by {float(difference):.1e} of the largest")
+    reference = "tiles" if "tiles" in ways else "warp-specialised"
+    choose(ways[reference])
+    expected = layers[reference](hidden, logits).float()
+    say(f"{job}: {reference} compiled and ran")
+    for name, tile in ways.items():  # each line as its way has compiled: a call cut short still says these
+        if name != reference:
+            choose(tile)
+            difference = (layers[name](hidden, logits).float() - expected).abs().max() / expected.abs().max()
+            say(f"{job}: {name}'s outputs differ from {reference}'s by {float(difference):.1e} of the largest")
     for round_ in range(rounds):
         for name, tile in ways.items():
             choose(tile)
@@ -117,6 +121,9 @@ def main(argv=None) -> None:
                              f"{moe.oracle.SPECIALIZED_EXPERT_WEIGHTS}): to time it on smaller experts")
     parser.add_argument("--variant", nargs="+", metavar="FIELD=VALUE",
                         help="also time the warp-specialised GEMM with these SpecializedTile fields changed")
+    parser.add_argument("--without-tiles", action="store_true",
+                        help="leave the tiles out (their kernels take minutes to compile at prefill counts): the "
+                             "outputs are compared with the oracle's warp-specialised way's")
     args = parser.parse_args(argv)
     for job in args.jobs:
         parse_job(job)
@@ -134,7 +141,7 @@ def main(argv=None) -> None:
     timer = Timer()
     say(torch.cuda.get_device_name())
     for job in args.jobs:
-        run_job(timer, job, args.rounds, variant)
+        run_job(timer, job, args.rounds, variant, not args.without_tiles)
 
 
 if __name__ == "__main__":

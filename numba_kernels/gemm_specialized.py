@@ -56,6 +56,7 @@ STEP_K = STAGE_SLABS * SLAB_K
 CHUNKS = 2  # 64-feature chunks a CTA: one column panel of the native layout, a warpgroup each
 WARPGROUP = 128  # threads
 MULTIPLIERS = CHUNKS * WARPGROUP  # the multiplying warpgroups' threads; the copy warp follows
+MAX_WIDTH = 256  # wgmma's widest N
 CORE_LBO, CORE_SBO = 128, 256  # bytes: the next 8 of K, the next 8 slots of B's core matrices
 
 
@@ -73,8 +74,8 @@ class SpecializedTile:
 
     def __attrs_post_init__(self):
         if (self.width_step % 8 or not 8 <= self.width_step <= self.max_width or self.max_width % self.width_step
-                or not self.max_width <= self.block_m <= WARPGROUP or not 2 <= self.stages <= 7):
-            raise ValueError(f"width_step must be a multiple of 8 dividing max_width <= block_m <= {WARPGROUP}, and "
+                or not self.max_width <= self.block_m <= MAX_WIDTH or not 2 <= self.stages <= 7):
+            raise ValueError(f"width_step must be a multiple of 8 dividing max_width <= block_m <= {MAX_WIDTH}, and "
                              f"stages in [2, 7], got block_m={self.block_m}, max_width={self.max_width}, "
                              f"width_step={self.width_step}, stages={self.stages}")
 
@@ -89,7 +90,10 @@ class SpecializedTile:
         enough at 80 (74 w4a16, 79 NVFP4; zero points 96 and 172 bytes spilled). One
         beyond: at 128 wide and a bound of two it serialised every wgmma; with one it
         takes 98 (w4a16) and 110 (NVFP4) and pipelines them (seventy-fifth session of
-        benchmarks/LOG.md). How many CTAs the GPU then places is its own count."""
+        benchmarks/LOG.md). Whatever the bound, nine warps put three on one of an SM's
+        four schedulers, so a thread gets at most 168: enough at 256 wide for w4a16 (162)
+        and NVFP4 (168), not with zero points (seventy-sixth session). How many CTAs the
+        GPU then places is its own count."""
         return 2 if self.max_width <= 80 else 1
 
     @property

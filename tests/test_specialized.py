@@ -118,6 +118,29 @@ def test_layer_takes_the_warp_specialised_gemm_on_hopper_and_replays_it(monkeypa
     assert np.linalg.norm(hooked - out) / np.linalg.norm(out) < 2e-2
 
 
+def test_parts_wider_than_a_warpgroup_has_threads(monkeypatch):
+    """A tile of one part a block of 256 slots (wgmma's widest N): 150 tokens over two
+    experts (150 slots an expert) run as one part each, at width 160, more slots than a
+    warpgroup has threads, and the layer equals its float64 definition."""
+    _as_on_hopper(monkeypatch)
+    tile = SpecializedTile(block_m=256, max_width=256, width_step=32, stages=2)
+    monkeypatch.setattr(moe.oracle, "WIDE_SPECIALIZED_TILE", tile)
+    config = _tiny_config()
+    backend = select_backend(config, 150, kernel_spec(config))
+    assert backend.specialized == tile and backend.block_m == 256
+    checkpoint = random_checkpoint(config, np.random.default_rng(4))
+    layer = MoELayer(config, max_tokens=150)
+    layer.load_weights(checkpoint.w1, checkpoint.w2, checkpoint.w3)
+    rng = np.random.default_rng(5)
+    hidden = torch.from_numpy(rng.standard_normal((150, 128))).to(torch.bfloat16)
+    logits = torch.from_numpy(rng.standard_normal((150, 2)).astype(np.float32))
+    out = layer(hidden.to(DEVICE), logits.to(DEVICE)).float().cpu().numpy()
+    assert layer.workspace.buffers(150, backend).picks.cpu().tolist()[:2] == [4, 4]  # widths 32, 64, .., 160
+    expected = reference_moe(config, hidden.float().numpy(), checkpoint.dense_w13, checkpoint.dense_w2,
+                             router_logits=logits.numpy())
+    assert np.linalg.norm(out - expected) / np.linalg.norm(expected) < 2e-2
+
+
 def test_expert_parallel_ranks_sum_to_the_full_layer(monkeypatch):
     """Two ranks of two experts each, 72 tokens (36 slots an expert): each rank's layer
     runs warp-specialised, and their outputs sum to the full layer's float64 definition.
@@ -203,7 +226,7 @@ def test_backends_round_trip_through_the_tuned_tables_format():
 
 
 def test_bad_configurations_fail_by_name():
-    for fields in (dict(width_step=12), dict(block_m=256), dict(block_m=64), dict(max_width=72), dict(stages=1)):
+    for fields in (dict(width_step=12), dict(block_m=512, max_width=512), dict(block_m=64), dict(max_width=72), dict(stages=1)):
         with pytest.raises(ValueError, match="width_step must be a multiple of 8"):
             SpecializedTile(**fields)
     assert SpecializedTile().widths == (16, 32, 48, 64, 80) and SpecializedTile().sub_blocks == 2
