@@ -92,8 +92,9 @@ class SpecializedTile:
         takes 98 (w4a16) and 110 (NVFP4) and pipelines them (seventy-fifth session of
         benchmarks/LOG.md). Whatever the bound, nine warps put three on one of an SM's
         four schedulers, so a thread gets at most 168: enough at 256 wide for w4a16 (162)
-        and NVFP4 (168), not with zero points (seventy-sixth session). How many CTAs the
-        GPU then places is its own count."""
+        and NVFP4 (168); zero points reach it from 128 wide up, and spill (at 128, 276
+        bytes, after the main loop; seventy-sixth session). How many CTAs the GPU then
+        places is its own count."""
         return 2 if self.max_width <= 80 else 1
 
     @property

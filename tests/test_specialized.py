@@ -226,7 +226,8 @@ def test_backends_round_trip_through_the_tuned_tables_format():
 
 
 def test_bad_configurations_fail_by_name():
-    for fields in (dict(width_step=12), dict(block_m=512, max_width=512), dict(block_m=64), dict(max_width=72), dict(stages=1)):
+    for fields in (dict(width_step=12), dict(block_m=512, max_width=512), dict(block_m=64), dict(max_width=72),
+                   dict(stages=1)):
         with pytest.raises(ValueError, match="width_step must be a multiple of 8"):
             SpecializedTile(**fields)
     assert SpecializedTile().widths == (16, 32, 48, 64, 80) and SpecializedTile().sub_blocks == 2
