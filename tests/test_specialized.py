@@ -133,11 +133,12 @@ def test_parts_wider_than_a_warpgroup_has_threads(monkeypatch):
     layer.load_weights(checkpoint.w1, checkpoint.w2, checkpoint.w3)
     rng = np.random.default_rng(5)
     hidden = torch.from_numpy(rng.standard_normal((150, 128))).to(torch.bfloat16)
-    logits = torch.from_numpy(rng.standard_normal((150, 2)).astype(np.float32))
-    out = layer(hidden.to(DEVICE), logits.to(DEVICE)).float().cpu().numpy()
+    topk_weights = torch.from_numpy(rng.uniform(0.1, 1.0, (150, 2)).astype(np.float32))
+    topk_ids = torch.tensor([[0, 1]] * 150, dtype=torch.int32)  # routed here: the simulator's routing takes a minute
+    out = layer.forward(hidden.to(DEVICE), topk=(topk_weights.to(DEVICE), topk_ids.to(DEVICE))).float().cpu().numpy()
     assert layer.workspace.buffers(150, backend).picks.cpu().tolist()[:2] == [4, 4]  # widths 32, 64, .., 160
     expected = reference_moe(config, hidden.float().numpy(), checkpoint.dense_w13, checkpoint.dense_w2,
-                             router_logits=logits.numpy())
+                             topk=(topk_weights.numpy(), topk_ids.numpy()))
     assert np.linalg.norm(out - expected) / np.linalg.norm(expected) < 2e-2
 
 
