@@ -152,15 +152,17 @@ def test_expert_parallel_ranks_sum_to_the_full_layer(monkeypatch):
     checkpoint = random_checkpoint(full_config, np.random.default_rng(2))
     rng = np.random.default_rng(3)
     hidden = torch.from_numpy(rng.standard_normal((72, 128))).to(torch.bfloat16)
-    logits = torch.from_numpy(rng.standard_normal((72, 4)).astype(np.float32))
+    topk_weights = torch.from_numpy(rng.uniform(0.1, 1.0, (72, 2)).astype(np.float32))
+    topk_ids = torch.from_numpy(np.argsort(rng.random((72, 4)), axis=1)[:, :2].astype(np.int32))  # routed here
     total = np.zeros((72, 128))
     for layer in rank_layers(full_config, checkpoint, 2, max_tokens=72):
         backend = select_backend(layer.config, 72, kernel_spec(layer.config))
         assert backend.specialized == SpecializedTile()
         layer.workspace.buffers(72, backend).gemm2_out.fill_(float("nan"))
-        total += layer(hidden.to(DEVICE), logits.to(DEVICE)).float().cpu().numpy()
+        topk = (topk_weights.to(DEVICE), topk_ids.to(DEVICE))
+        total += layer.forward(hidden.to(DEVICE), topk=topk).float().cpu().numpy()
     expected = reference_moe(full_config, hidden.float().numpy(), checkpoint.dense_w13, checkpoint.dense_w2,
-                             router_logits=logits.numpy())
+                             topk=(topk_weights.numpy(), topk_ids.numpy()))
     assert np.linalg.norm(total - expected) / np.linalg.norm(expected) < 2e-2
 
 
