@@ -4,17 +4,17 @@
         [--variant max_width=64 stages=3] [--without-tiles]
 
 For each job (shape:format:M, as `compare_trees.py` names them) one layer and one routed
-batch, run two ways: the oracle's warp-specialised backend (`moe.oracle.specialized_backend`,
-`numba_kernels.gemm_specialized`, at the tile the token count takes) and the backend it
-picks without it (the tuned entry or the heuristic's tiles); with `--variant`, a third:
-the warp-specialised GEMM with that tile's fields changed as given (`--without-tiles` leaves
-the tiles out: their kernels take minutes to compile at prefill counts, and a device call has
-ten). First the outputs are compared with the tiles' (else the oracle's way's; largest
-difference over the largest output), each line as soon as its way has run; then, round by
-round, each way's two GEMMs as `bench_moe.py` times them (replayed from a CUDA graph, the
-L2 flushed, best of three medians; the warp-specialised pair with its gather and
-activation kernels) and its whole layer. A job the warp-specialised GEMM does not take (its shape, format or slots an
-expert) is timed once, and says so.
+batch, run two ways: the oracle's warp-specialised backend
+(`moe.oracle.specialized_backend`, `numba_kernels.gemm_specialized`, at the tile the token
+count takes) and the backend it picks without it (the tuned entry or the heuristic's tiles);
+with `--variant`, a third: the warp-specialised GEMM with that tile's fields changed as
+given (`--without-tiles` leaves the tiles out: their kernels take minutes to compile at
+prefill counts, and a device call has ten). First the outputs are compared with the tiles'
+(else the oracle's way's; largest difference over the largest output), each line as soon as
+its way has run; then, round by round, each way's two GEMMs as `bench_moe.py` times them
+(replayed from a CUDA graph, the L2 flushed, best of three medians; the warp-specialised
+pair with its gather and activation kernels) and its whole layer. A job the warp-specialised
+GEMM does not take (its shape, format or slots an expert) is timed once, and says so.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ STEP_K = STAGE_SLABS * SLAB_K
 CHUNKS = 2  # 64-feature chunks a CTA: one column panel of the native layout, a warpgroup each
 WARPGROUP = 128  # threads
 MULTIPLIERS = CHUNKS * WARPGROUP  # the multiplying warpgroups' threads; the copy warp follows
-MAX_WIDTH = 256  # wgmma's widest N
+MAX_WIDTH = max(ptx.WARPGROUP_COLUMNS)  # wgmma's widest N
 CORE_LBO, CORE_SBO = 128, 256  # bytes: the next 8 of K, the next 8 slots of B's core matrices
 
 
