@@ -33,7 +33,7 @@ from moe import MoEConfig, MoELayer
 from moe.weights import kernel_spec
 from numba_kernels.gemm_specialized import SpecializedTile
 
-NARROW, WIDE = moe.oracle.SPECIALIZED_TILE, moe.oracle.WIDE_SPECIALIZED_TILE
+OWN_TILES = moe.oracle.SPECIALIZED_TILE, moe.oracle.WIDE_SPECIALIZED_TILE, moe.oracle.WIDEST_SPECIALIZED_TILE
 OWN = "the oracle's"
 START = time.monotonic()
 
@@ -49,7 +49,8 @@ def choose(tile: SpecializedTile | str | None) -> None:
     `tile` whatever the token count, or (None) not at all."""
     moe.oracle.USE_SPECIALIZED = tile is not None
     forced = isinstance(tile, SpecializedTile)
-    moe.oracle.SPECIALIZED_TILE, moe.oracle.WIDE_SPECIALIZED_TILE = (tile, tile) if forced else (NARROW, WIDE)
+    (moe.oracle.SPECIALIZED_TILE, moe.oracle.WIDE_SPECIALIZED_TILE,
+     moe.oracle.WIDEST_SPECIALIZED_TILE) = (tile,) * len(OWN_TILES) if forced else OWN_TILES
 
 
 def time_way(timer, layer, hidden, logits, topk_weights, topk_ids) -> tuple[float, float]:
@@ -98,10 +99,10 @@ def run_job(timer, job: str, rounds: int, variant: dict[str, int], with_tiles: b
 
 
 def parse_variant(fields: list[str]) -> dict[str, int]:
-    """`--variant`'s KEY=VALUE fields, checked as changes to both of the oracle's tiles."""
+    """`--variant`'s KEY=VALUE fields, checked as changes to each of the oracle's tiles."""
     try:
         variant = {key: int(value) for key, value in (f.split("=") for f in fields)}
-        for tile in (NARROW, WIDE):
+        for tile in OWN_TILES:
             attrs.evolve(tile, **variant)
         return variant
     except (TypeError, ValueError) as error:

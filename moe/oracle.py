@@ -71,7 +71,7 @@ from numba_kernels.gemm_specialized import SpecializedTile, specialized_supporte
 from numba_kernels.route_align import max_lanes
 
 from .config import MoEConfig
-from .weights import permutes_inputs
+from .weights import kernel_spec, permutes_inputs
 
 TUNED_DIR = Path(__file__).parent / "tuned"
 """Tuned tables, a directory per architecture: `sm_90/NVIDIA_H200.json`."""
@@ -212,25 +212,43 @@ SPECIALIZED_TILE = SpecializedTile()
 launch bound of two CTAs an SM (module constants, so that `benchmarks/specialized_ab.py`
 can time others)."""
 WIDE_SPECIALIZED_TILE = SpecializedTile(max_width=128)
-"""Beyond: parts of 128 slots under a launch bound of one CTA an SM (for the registers,
-`SpecializedTile.min_ctas_per_sm`), so an expert's weights are decoded once for every 128
-slots rather than every 64 (the narrow tile's blocks of 128 are two parts). Mixtral M =
-4096 on the H200 (seventy-fifth session): 6177 us against 7055 with SPECIALIZED_TILE."""
+"""Beyond, up to 128 slots an expert (any count with zero points): parts of 128 slots under
+a launch bound of one CTA an SM (for the registers, `SpecializedTile.min_ctas_per_sm`), so
+an expert's weights are decoded once for every 128 slots rather than every 64 (the narrow
+tile's blocks of 128 are two parts). Mixtral M = 4096 on the H200 (seventy-fifth session):
+6177 us against 7055 with SPECIALIZED_TILE."""
+WIDEST_SPECIALIZED_TILE = SpecializedTile(block_m=256, max_width=256, width_step=32)
+"""From 128 slots an expert: parts of 256 (wgmma's widest N), so an expert of 128 slots and
+a few more is one part, not a full one and a second that decodes all its weights again
+for a few slots, and larger experts decode theirs half as often. On the H200 (seventy-
+seventh session, against WIDE_SPECIALIZED_TILE, outputs bit-identical): DeepSeek w4a16 M =
+4096 (128 an expert) 6521 against 7461 us, Mixtral w4a16 M = 4096 (1024) 5162 against
+6102 (widths in steps of 64 there). Not for zero points, which spill 892 bytes at 256
+wide (untimed)."""
 
 
 def specialized_tile(config: MoEConfig, num_tokens: int) -> SpecializedTile:
     """The warp-specialised GEMM's tile at `num_tokens` tokens: SPECIALIZED_TILE while an
-    expert's expected slots fit one of its parts, else WIDE_SPECIALIZED_TILE."""
-    fits = slots_per_expert(config, num_tokens) <= SPECIALIZED_TILE.max_width
-    return SPECIALIZED_TILE if fits else WIDE_SPECIALIZED_TILE
+    expert's expected slots fit one of its parts, WIDE_SPECIALIZED_TILE while they stay
+    under 128, else `widest_specialized_tile`."""
+    per_expert = slots_per_expert(config, num_tokens)
+    if per_expert <= SPECIALIZED_TILE.max_width:
+        return SPECIALIZED_TILE
+    return WIDE_SPECIALIZED_TILE if per_expert < WIDE_SPECIALIZED_TILE.max_width else widest_specialized_tile(config)
+
+
+def widest_specialized_tile(config: MoEConfig) -> SpecializedTile:
+    """The tile of `config`'s largest counts: WIDEST_SPECIALIZED_TILE, WIDE_SPECIALIZED_TILE
+    for zero points."""
+    return WIDE_SPECIALIZED_TILE if kernel_spec(config).zeros is not None else WIDEST_SPECIALIZED_TILE
 
 
 def specialized_slots(config: MoEConfig, max_tokens: int, tile: SpecializedTile) -> int:
     """The most slots of a call of up to `max_tokens` tokens that the oracle runs on
-    `tile` (what the workspace sizes its buffers for): SPECIALIZED_TILE only up to its
-    max_width an expert (`specialized_tile`), the wide tile at any count."""
+    `tile` (what the workspace sizes its buffers for): a narrower tile only up to its
+    max_width an expert (`specialized_tile`), the widest at any count."""
     slots = max_tokens * config.top_k
-    return slots if tile == WIDE_SPECIALIZED_TILE else min(slots, tile.max_width * config.num_experts)
+    return slots if tile == widest_specialized_tile(config) else min(slots, tile.max_width * config.num_experts)
 
 
 def specialized_device() -> bool:
