@@ -34,13 +34,14 @@ many CTAs the GPU holds at once, numba's `max_cooperative_grid_blocks`); the GEM
 loads weights before its wait does so in those CTAs alone. Set
 NUMBA_MOE_EARLY_LAUNCH=0 to launch them in plain stream order.
 
-This module is the only one that reaches below numba-cuda's public kernel API: it takes
-the compiled kernel from the documented `pre_launch_callbacks` hook, and packs the
-parameters with that kernel's own `_prepare_args` (numba-cuda 0.30), so the buffer
-holds exactly what an ordinary launch passes; `Launcher` checks each array's fields
-against the array before trusting the layout. A kernel that asks for more dynamic shared
-memory than the 48 KB CUDA grants unasked (the prefill GEMM's stage buffers) is opted in
-through the same hook (`allow_shared_memory`, `cuKernelSetAttribute`). Under the CUDA simulator a `Launcher`
+This module and `lean_compile` (how kernels compile) are the only ones that reach below
+numba-cuda's public kernel API. This one takes the compiled kernel from the documented
+`pre_launch_callbacks` hook, and packs the parameters with that kernel's own
+`_prepare_args` (numba-cuda 0.30), so the buffer holds exactly what an ordinary launch
+passes; `Launcher` checks each array's fields against the array before trusting the
+layout. A kernel that asks for more dynamic shared memory than the 48 KB CUDA grants
+unasked (the prefill GEMM's stage buffers) is opted in through the same hook
+(`allow_shared_memory`, `cuKernelSetAttribute`). Under the CUDA simulator a `Launcher`
 calls the kernel the ordinary way with its (re-bound) arguments.
 """
 

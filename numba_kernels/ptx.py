@@ -127,7 +127,7 @@ the stores, and check the SASS (``python -m tools.gemm_resources --specialized``
 twin computes at issue and checks the shared half: it raises if an A or B tile changed
 between an mma and the wait that covers it.
 
-This is the only module that reaches below Numba's public kernel API (the vector load is
+This is the only kernel code that reaches below Numba's public kernel API (the vector load is
 a Numba ``intrinsic``, like numba-cuda's own cache-hint loads); everything else in
 ``numba_kernels`` is plain ``cuda.jit`` Python. The C++ wrappers are linked with
 ``cuda.CUSource`` and inlined by link-time optimisation (kernels are built with
@@ -141,7 +141,7 @@ import inspect
 
 from numba import config, cuda, float32, int32, int64, types, uint32
 
-from . import twins
+from . import lean_compile, twins
 
 SIMULATED = bool(config.ENABLE_CUDASIM)
 
@@ -150,11 +150,13 @@ HALF_TYPES = ("bfloat16", "float16")
 
 def kernel(fn=None, **options):
     """`cuda.jit` for kernels: link-time optimisation on the GPU (so the PTX helpers
-    inline), plain simulation otherwise. Options the simulator lacks are dropped there."""
+    inline; compiled without numba-cuda's unused PTX, `lean_compile`), plain simulation
+    otherwise. Options the simulator lacks are dropped there."""
     if fn is None:
         return functools.partial(kernel, **options)
     if SIMULATED:
         return cuda.jit(fn)
+    lean_compile.register(fn)
     return cuda.jit(lto=True, **options)(fn)
 
 
