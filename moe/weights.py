@@ -21,6 +21,7 @@ input features each, as GPTQ makes them.
 
 from __future__ import annotations
 
+import functools
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -55,9 +56,11 @@ qzeros, a trivial g_idx, activation scales): skipped. Any other name (an expert 
 misspelt tensor) is refused rather than silently left out."""
 
 
+@functools.cache
 def kernel_spec(config: MoEConfig) -> QuantSpec:
     """The layout the kernels read `config`'s weights in: the kernel-native layout where the
-    format has one, else the checkpoint's own (read through its index maps)."""
+    format has one, else the checkpoint's own (read through its index maps). Cached: the
+    oracle asks on every call, and building a layout's permutations takes 0.1 to 0.3 ms."""
     return config.quant.native_spec(config.dtype) or config.quant.checkpoint_spec(config.dtype)
 
 
