@@ -44,9 +44,10 @@ def _install() -> bool:
     if not LEAN_COMPILE or not importlib.metadata.version("numba-cuda").startswith(SUPPORTED_PREFIX):
         return False
     from numba.cuda import codegen, dispatcher
+    from numba.cuda.core import config
 
     dispatcher._Kernel.__init__ = _marking_construction(dispatcher._Kernel.__init__)
-    codegen.CUDACodeLibrary.get_asm_str = _names_while_constructing(codegen.CUDACodeLibrary.get_asm_str)
+    codegen.CUDACodeLibrary.get_asm_str = _names_while_constructing(codegen.CUDACodeLibrary.get_asm_str, config)
     return True
 
 
@@ -62,11 +63,9 @@ def _marking_construction(init):
     return construct
 
 
-def _names_while_constructing(get_asm_str):
+def _names_while_constructing(get_asm_str, config):
     @functools.wraps(get_asm_str)
     def asm_or_names(self, cc=None):
-        from numba.cuda.core import config
-
         if getattr(_constructing, "lean", False) and self._lto and not getattr(config, "CUDA_ENABLE_NRT", False):
             return "\n".join(self.llvm_strs)
         return get_asm_str(self, cc)
