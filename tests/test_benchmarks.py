@@ -120,6 +120,22 @@ def test_specialized_ab_names_a_bad_variant(fields, says, monkeypatch, capsys):
     assert "--variant takes SpecializedTile fields as KEY=INT" in err and says in err
 
 
+@pytest.mark.parametrize("job", ["mixtral:int3:256", "llama:nvfp4:256"])
+def test_specialized_ab_names_a_job_it_cannot_build(job, monkeypatch, capsys):
+    """A job's shape and format are checked before any GPU is looked for: the zero-point
+    format it adds to bench_moe.py's is taken, a name neither knows fails by name."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    try:
+        ab = importlib.import_module("specialized_ab")
+        assert not ab.JOB_FORMATS["w4a16-g128-zp"].symmetric
+        with pytest.raises(SystemExit):
+            ab.main(["--jobs", job])
+    finally:
+        sys.modules.pop("specialized_ab", None)
+    err = capsys.readouterr().err
+    assert f"--jobs: {job!r} names no shape" in err and "w4a16-g128-zp" in err
+
+
 def test_replay_stress_says_where_outputs_differ_and_changes_the_oracles_tiles(monkeypatch):
     """replay_stress.py's report (rows, count, largest error, the first row's columns as
     runs) and its `--evolve` (the runner and the workspace take changed tiles)."""
