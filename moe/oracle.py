@@ -71,7 +71,7 @@ from numba_kernels.gemm_specialized import SpecializedTile, specialized_supporte
 from numba_kernels.route_align import max_lanes
 
 from .config import MoEConfig
-from .weights import kernel_spec, permutes_inputs
+from .weights import permutes_inputs
 
 TUNED_DIR = Path(__file__).parent / "tuned"
 """Tuned tables, a directory per architecture: `sm_90/NVIDIA_H200.json`."""
@@ -212,7 +212,7 @@ SPECIALIZED_TILE = SpecializedTile()
 launch bound of two CTAs an SM (module constants, so that `benchmarks/specialized_ab.py`
 can time others)."""
 WIDE_SPECIALIZED_TILE = SpecializedTile(max_width=128)
-"""Beyond, up to 128 slots an expert (any count with zero points): parts of 128 slots under
+"""Beyond, up to 128 slots an expert: parts of 128 slots under
 a launch bound of one CTA an SM (for the registers, `SpecializedTile.min_ctas_per_sm`), so
 an expert's weights are decoded once for every 128 slots rather than every 64 (the narrow
 tile's blocks of 128 are two parts). Mixtral M = 4096 on the H200 (seventy-fifth session):
@@ -223,24 +223,19 @@ a few more is one part, not a full one and a second that decodes all its weights
 for a few slots, and larger experts decode theirs half as often. On the H200 (seventy-
 seventh session, against WIDE_SPECIALIZED_TILE, outputs bit-identical): DeepSeek w4a16 M =
 4096 (128 an expert) 6521 against 7461 us, Mixtral w4a16 M = 4096 (1024) 5162 against
-6102 (widths in steps of 64 there). Not for zero points, which spill 892 bytes at 256
-wide (untimed)."""
+6102 (widths in steps of 64 there); NVFP4 (seventy-eighth) DeepSeek 6476 against 7844,
+Mixtral 5002 against 6307. Zero points too, though they spill 892 bytes at 256 wide:
+DeepSeek 6881 against 7964, Mixtral 5206 against 6445 (seventy-eighth)."""
 
 
 def specialized_tile(config: MoEConfig, num_tokens: int) -> SpecializedTile:
     """The warp-specialised GEMM's tile at `num_tokens` tokens: SPECIALIZED_TILE while an
     expert's expected slots fit one of its parts, WIDE_SPECIALIZED_TILE while they stay
-    under 128, else `widest_specialized_tile`."""
+    under 128, else WIDEST_SPECIALIZED_TILE."""
     per_expert = slots_per_expert(config, num_tokens)
     if per_expert <= SPECIALIZED_TILE.max_width:
         return SPECIALIZED_TILE
-    return WIDE_SPECIALIZED_TILE if per_expert < WIDE_SPECIALIZED_TILE.max_width else widest_specialized_tile(config)
-
-
-def widest_specialized_tile(config: MoEConfig) -> SpecializedTile:
-    """The tile of `config`'s largest counts: WIDEST_SPECIALIZED_TILE, WIDE_SPECIALIZED_TILE
-    for zero points."""
-    return WIDE_SPECIALIZED_TILE if kernel_spec(config).zeros is not None else WIDEST_SPECIALIZED_TILE
+    return WIDE_SPECIALIZED_TILE if per_expert < WIDE_SPECIALIZED_TILE.max_width else WIDEST_SPECIALIZED_TILE
 
 
 def specialized_slots(config: MoEConfig, max_tokens: int, tile: SpecializedTile) -> int:
@@ -248,7 +243,7 @@ def specialized_slots(config: MoEConfig, max_tokens: int, tile: SpecializedTile)
     `tile` (what the workspace sizes its buffers for): a narrower tile only up to its
     max_width an expert (`specialized_tile`), the widest at any count."""
     slots = max_tokens * config.top_k
-    return slots if tile == widest_specialized_tile(config) else min(slots, tile.max_width * config.num_experts)
+    return slots if tile == WIDEST_SPECIALIZED_TILE else min(slots, tile.max_width * config.num_experts)
 
 
 def specialized_device() -> bool:

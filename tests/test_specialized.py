@@ -185,7 +185,7 @@ def test_oracle_takes_it_only_where_device_slots_and_weights_allow(monkeypatch):
     assert select_backend(config, 128, spec).specialized == moe.oracle.WIDEST_SPECIALIZED_TILE  # half would spill
     assert select_backend(config, 4096, spec).specialized == moe.oracle.WIDEST_SPECIALIZED_TILE
     zeros = _tiny_config(QuantScheme("gptq", bits=4, group_size=64, symmetric=False))
-    assert select_backend(zeros, 4096, kernel_spec(zeros)).specialized == moe.oracle.WIDE_SPECIALIZED_TILE
+    assert select_backend(zeros, 4096, kernel_spec(zeros)).specialized == moe.oracle.WIDEST_SPECIALIZED_TILE
     assert select_backend(config, 36, spec, specialized=False).specialized is None
     assert select_batched_backend(config, 36, spec).specialized is None  # the batched layout reads no routing
     act_order = _tiny_config(QuantScheme("gptq", bits=4, group_size=64, act_order=True))
@@ -204,14 +204,12 @@ def test_oracle_takes_it_only_where_device_slots_and_weights_allow(monkeypatch):
 def test_workspace_sizes_its_buffers_for_the_calls_the_oracle_runs_so(monkeypatch):
     """The stage blocks and the parts' widths fit the most slots a call the oracle runs
     warp-specialised can have: up to 80 an expert on the narrow tile, under 128 on the wide
-    one, every slot of max_tokens on the widest (the wide one for zero points)."""
+    one, every slot of max_tokens on the widest."""
     _as_on_hopper(monkeypatch)
     config = _tiny_config()
     assert moe.oracle.specialized_slots(config, 4096, moe.oracle.SPECIALIZED_TILE) == 160  # 80 an expert, of 8192
     assert moe.oracle.specialized_slots(config, 4096, moe.oracle.WIDE_SPECIALIZED_TILE) == 256  # 128 an expert
     assert moe.oracle.specialized_slots(config, 4096, moe.oracle.WIDEST_SPECIALIZED_TILE) == 8192
-    zeros = _tiny_config(QuantScheme("gptq", bits=4, group_size=64, symmetric=False))
-    assert moe.oracle.specialized_slots(zeros, 4096, moe.oracle.WIDE_SPECIALIZED_TILE) == 8192  # its widest
     workspace = Workspace(config, 4096, kernel_spec(config))
     for tokens, tile in ((80, moe.oracle.SPECIALIZED_TILE), (100, moe.oracle.WIDE_SPECIALIZED_TILE),
                          (4096, moe.oracle.WIDEST_SPECIALIZED_TILE)):
