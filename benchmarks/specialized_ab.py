@@ -37,9 +37,9 @@ from numba_kernels.gemm_specialized import SpecializedTile
 
 OWN_TILES = moe.oracle.SPECIALIZED_TILE, moe.oracle.WIDE_SPECIALIZED_TILE, moe.oracle.WIDEST_SPECIALIZED_TILE
 OWN = "the oracle's"
-# bench_moe.py's formats and int4 with zero points, which it does not time: the oracle keeps
-# zero points on a narrower tile than the others (their 256-wide kernel spills), and this
-# times that choice.
+# bench_moe.py's formats and int4 with zero points, which it does not time: their kernels
+# differ (a zero point a group; at 256 wide they spill), so the oracle's tiles for them are
+# timed apart.
 JOB_FORMATS = {**FORMATS, "w4a16-g128-zp": QuantScheme("native", bits=4, group_size=128, symmetric=False)}
 START = time.monotonic()
 
