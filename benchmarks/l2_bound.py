@@ -17,7 +17,7 @@ import argparse
 import torch
 
 import numba_kernels  # noqa: F401  (before numba: no simulator on a GPU machine)
-from bench_moe import FORMATS, SHAPES, Timer, captured, layer_gemms, routed_batches
+from bench_moe import FORMATS, ISSUE_FORMATS, SHAPES, Timer, captured, layer_gemms, routed_batches
 from numba_kernels.launch import replaying
 
 
@@ -46,7 +46,7 @@ def holding(tensors):
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["qwen3"], choices=list(SHAPES))
-    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    parser.add_argument("--formats", nargs="+", default=ISSUE_FORMATS, choices=list(FORMATS))
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 4])
     args = parser.parse_args(argv)
     timer = Timer()

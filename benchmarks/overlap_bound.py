@@ -16,7 +16,7 @@ import argparse
 import torch
 
 import numba_kernels  # noqa: F401  (before numba: no simulator on a GPU machine)
-from bench_moe import FORMATS, SHAPES, Timer, captured, gemm_bytes, layer_gemms, routed_batches
+from bench_moe import FORMATS, ISSUE_FORMATS, SHAPES, Timer, captured, gemm_bytes, layer_gemms, routed_batches
 from numba_kernels.launch import replaying
 from reads import PlainReads
 
@@ -24,7 +24,7 @@ from reads import PlainReads
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["qwen3"], choices=list(SHAPES))
-    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    parser.add_argument("--formats", nargs="+", default=ISSUE_FORMATS, choices=list(FORMATS))
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16])
     args = parser.parse_args(argv)
     timer, side = Timer(), torch.cuda.Stream()

@@ -3,7 +3,7 @@
     python3 benchmarks/specialized_ab.py --jobs mixtral:w4a16-g128:256 mixtral:nvfp4:256 [--rounds 2] \
         [--variant max_width=64 stages=3] [--without-tiles]
 
-Formats: bench_moe.py's, and w4a16-g128-zp (int4 with zero points).
+Formats: bench_moe.py's (`FORMATS`, with w4a16-g128-zp, int4 with zero points).
 
 For each job (shape:format:M, as `compare_trees.py` names them) one layer and one routed
 batch, run two ways: the oracle's warp-specialised backend
@@ -31,16 +31,12 @@ import numba_kernels  # noqa: F401  (before numba: no simulator on a GPU machine
 import moe.oracle
 from bench_moe import FORMATS, SHAPES, Timer, best_times, routing_for
 from compare_trees import parse_job
-from moe import MoEConfig, MoELayer, QuantScheme
+from moe import MoEConfig, MoELayer
 from moe.weights import kernel_spec
 from numba_kernels.gemm_specialized import SpecializedTile
 
 OWN_TILES = moe.oracle.SPECIALIZED_TILE, moe.oracle.WIDE_SPECIALIZED_TILE, moe.oracle.WIDEST_SPECIALIZED_TILE
 OWN = "the oracle's"
-# bench_moe.py's formats and int4 with zero points, which it does not time: their kernels
-# differ (a zero point a group; at 256 wide they spill), so the oracle's tiles for them are
-# timed apart.
-JOB_FORMATS = {**FORMATS, "w4a16-g128-zp": QuantScheme("native", bits=4, group_size=128, symmetric=False)}
 START = time.monotonic()
 
 
@@ -67,7 +63,7 @@ def time_way(timer, layer, hidden, logits, topk_weights, topk_ids) -> tuple[floa
 
 def run_job(timer, job: str, rounds: int, variant: dict[str, int], with_tiles: bool) -> None:
     shape, format_name, tokens = parse_job(job)
-    config = MoEConfig(**SHAPES[shape], quant=JOB_FORMATS[format_name])
+    config = MoEConfig(**SHAPES[shape], quant=FORMATS[format_name])
     changed = attrs.evolve(moe.oracle.specialized_tile(config, tokens), **variant)
     ways = {"warp-specialised": OWN, **({f"variant {changed}": changed} if variant else {}),
             **({"tiles": None} if with_tiles else {})}
@@ -134,8 +130,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     for job in args.jobs:
         shape, format_name, _ = parse_job(job)
-        if shape not in SHAPES or format_name not in JOB_FORMATS:
-            parser.error(f"--jobs: {job!r} names no shape of {list(SHAPES)} or no format of {list(JOB_FORMATS)}")
+        if shape not in SHAPES or format_name not in FORMATS:
+            parser.error(f"--jobs: {job!r} names no shape of {list(SHAPES)} or no format of {list(FORMATS)}")
     try:
         variant = parse_variant(args.variant) if args.variant else {}
     except argparse.ArgumentTypeError as error:

@@ -21,7 +21,7 @@ from moe import MoEConfig
 from moe.oracle import DECODE_TILE, PREFILL_TILE, SWAPPED_DECODE_TILE, heuristic_backend, split_to_fill
 from moe.tune import tune
 
-from bench_moe import FORMATS, SHAPES
+from bench_moe import FORMATS, ISSUE_FORMATS, SHAPES
 
 FAMILIES = {  # the oracle's tiles and the variants they were measured against
     "decode-global": DECODE_TILE,
@@ -54,7 +54,7 @@ FAMILIES = {  # the oracle's tiles and the variants they were measured against
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=["mixtral", "qwen3"], choices=sorted(SHAPES))
-    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    parser.add_argument("--formats", nargs="+", default=ISSUE_FORMATS, choices=list(FORMATS))
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 16])
     parser.add_argument("--families", nargs="+", default=["decode-global", "decode-swap"],
                         choices=list(FAMILIES) + ["heuristic"])
