@@ -2,8 +2,8 @@
 
 For each shape (Qwen3-30B-A3B, Mixtral-8x7B, a DeepSeek-V3 layer), format (int4 group 128
 in the kernel layout and NVFP4 by default, the issues' two; `--formats w4a16-g128-zp` adds
-int4 with zero points, as AWQ stores it) and token count M, it times with CUDA events, after warm-up,
-with the L2 cache flushed before every run, the median of many runs of:
+int4 with zero points, as AWQ stores it) and token count M, it times with CUDA events,
+after warm-up, with the L2 cache flushed before every run, the median of many runs of:
 
 * gemm_ms:  the two grouped GEMMs as the layer runs them (routing and alignment done
             beforehand; replayed launches, gemm2 launched early unless
