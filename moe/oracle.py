@@ -214,11 +214,11 @@ SPECIALIZED_TILE = SpecializedTile()
 launch bound of two CTAs an SM (module constants, so that `benchmarks/specialized_ab.py`
 can time others)."""
 WIDE_SPECIALIZED_TILE = SpecializedTile(max_width=128)
-"""Beyond, up to 128 slots an expert: parts of 128 slots under
-a launch bound of one CTA an SM (for the registers, `SpecializedTile.min_ctas_per_sm`), so
-an expert's weights are decoded once for every 128 slots rather than every 64 (the narrow
-tile's blocks of 128 are two parts). Mixtral M = 4096 on the H200 (seventy-fifth session):
-6177 us against 7055 with SPECIALIZED_TILE."""
+"""Beyond, up to 128 slots an expert: parts of 128 slots under a launch bound of one CTA an
+SM (for the registers, `SpecializedTile.min_ctas_per_sm`), so an expert's weights are
+decoded once for every 128 slots rather than every 64 (the narrow tile's blocks of 128 are
+two parts). Mixtral M = 4096 on the H200 (seventy-fifth session): 6177 us against 7055
+with SPECIALIZED_TILE."""
 WIDEST_SPECIALIZED_TILE = SpecializedTile(block_m=256, max_width=256, width_step=32)
 """From 128 slots an expert: parts of 256 (wgmma's widest N), so an expert of 128 slots and
 a few more is one part, not a full one and a second that decodes all its weights again

@@ -40,8 +40,13 @@ def register(py_func) -> None:
 @functools.cache
 def _install() -> bool:
     """Wrap numba-cuda's constructor and `get_asm_str` once; False where they stay as
-    they are (switched off, another numba-cuda)."""
-    if not LEAN_COMPILE or not importlib.metadata.version("numba-cuda").startswith(SUPPORTED_PREFIX):
+    they are (switched off, another numba-cuda, or a CUDA target not installed as the
+    numba-cuda distribution: its successor keeps the kernel API, not these internals)."""
+    try:
+        version = importlib.metadata.version("numba-cuda")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    if not LEAN_COMPILE or not version.startswith(SUPPORTED_PREFIX):
         return False
     from numba.cuda import codegen, dispatcher
     from numba.cuda.core import config

@@ -3,6 +3,7 @@ PTX, to the same code. Compiled for sm_90a in a process of its own with the real
 target (`tools.ptx_check`: no GPU needed, but libNVVM and nvJitLink), since the test
 session itself may run under the simulator."""
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -51,6 +52,18 @@ for name, kernel in (("package", ptx.kernel(make())), ("plain", cuda.jit(lto=Tru
     result[name] = {"compiled_to": list(compiled_to), "ptx": re.sub(r"_Z[0-9A-Za-z_$]+", "NAME", code)}
 print(json.dumps(result))
 """
+
+
+def test_a_cuda_target_that_is_not_numba_cuda_is_left_alone(monkeypatch):
+    """Where no numba-cuda distribution is installed (its successor, say), nothing is
+    wrapped and kernels compile the ordinary way, rather than failing to build."""
+    from numba_kernels import lean_compile
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert lean_compile._install.__wrapped__() is False
 
 
 def test_package_kernels_skip_the_ptx_numba_cuda_throws_away():
