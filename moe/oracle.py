@@ -9,7 +9,7 @@ an H100 takes the H200's tiles for the token counts it has not tuned itself, rat
 the untuned heuristic), and falls back to a heuristic. Where no entry was tuned with the
 warp-specialised GEMM among its candidates (every table from before it), the oracle may
 take that GEMM first (`specialized_backend`: Hopper, from tens of slots an expert up,
-large experts). The heuristic:
+small experts only up to 128). The heuristic:
 
 * decode (few tokens per expert): operands straight from global memory, 4 warps splitting
   K, batches of 2 slabs each (double buffered; 4 with swapped operands), and a K split
@@ -200,13 +200,19 @@ layer's GEMMs against its tiles): Mixtral M = 128 (32 an expert) 350 against 632
 M = 1024 (256) 1704 against 2106 (80 wide, two parts a block); M = 4096 (1024) 6177
 against 8152 (128 wide, seventy-fifth session)."""
 SPECIALIZED_EXPERT_WEIGHTS = 8 << 20
-"""Weights an expert (hidden x intermediate) from which it pays: an expert's stages are
-decoded once a part, which gains where an expert's weights are large. Measured on the
-H200 at 64 slots an expert (seventy-first and seventy-second sessions, one wgmma group in
-flight): DeepSeek-V3 (14.7 M) 5.08 against 6.71 ms, Mixtral (58.7 M) 604 against 686 us,
-Qwen3-30B-A3B (1.6 M) 360 against 329 us. Those predate A in registers (seventy-fourth),
-which made the kernel about 0.74x as long at Mixtral, and Qwen3's larger counts (256
-slots an expert at M = 4096) are untimed."""
+"""Weights an expert (hidden x intermediate) from which it pays at every count: an expert's
+stages are decoded once a part, which gains most where its weights are large. Measured on
+the H200 at 64 slots an expert (seventy-first and seventy-second sessions, one wgmma group
+in flight): DeepSeek-V3 (14.7 M) 5.08 against 6.71 ms, Mixtral (58.7 M) 604 against 686 us.
+Smaller experts take it up to SMALL_EXPERT_SPECIALIZED_SLOTS."""
+SMALL_EXPERT_SPECIALIZED_SLOTS = 128
+"""Slots an expert up to which experts under SPECIALIZED_EXPERT_WEIGHTS take it too: their
+short K (Qwen3-30B-A3B's gemm2 runs 12 stages a part) leaves each part's fill and
+epilogue unhidden, which the tiles' many CTAs an SM hide, so the gain of decoding once a
+part shrinks as parts widen. Qwen3 (1.6 M) on the H200 (seventy-ninth session of
+benchmarks/LOG.md, side by side, GEMMs us, w4a16 / NVFP4 / zero points): 32 slots 223 /
+234 against 277 / 279; 64: 296 / - / 345 against 332 / - / 354; 128: 532 / 542 / 555
+against 570 / 566 / 619; 256: 980 / 996 against 937 / 919 (the tiles win)."""
 USE_SPECIALIZED = os.environ.get("NUMBA_MOE_SPECIALIZED", "1") != "0"
 """NUMBA_MOE_SPECIALIZED=0: never the warp-specialised GEMM (what it buys, side by side)."""
 SPECIALIZED_TILE = SpecializedTile()
@@ -279,11 +285,12 @@ def warp_specialised(tile: SpecializedTile) -> Backend:
 
 def specialized_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec) -> Backend | None:
     """The untuned choice of the warp-specialised GEMM (`warp_specialised` with
-    `specialized_tile`): a candidate (`specialized_candidate`) where the token count
-    (`SPECIALIZED_TOKENS_PER_EXPERT`) and the experts' size (`SPECIALIZED_EXPERT_WEIGHTS`)
-    say so; else None."""
-    if (SPECIALIZED_TOKENS_PER_EXPERT <= slots_per_expert(config, num_tokens)
-            and config.hidden_size * config.intermediate_size >= SPECIALIZED_EXPERT_WEIGHTS
+    `specialized_tile`): a candidate (`specialized_candidate`) from
+    SPECIALIZED_TOKENS_PER_EXPERT slots an expert up, experts smaller than
+    SPECIALIZED_EXPERT_WEIGHTS only up to SMALL_EXPERT_SPECIALIZED_SLOTS; else None."""
+    per_expert = slots_per_expert(config, num_tokens)
+    large = config.hidden_size * config.intermediate_size >= SPECIALIZED_EXPERT_WEIGHTS
+    if (SPECIALIZED_TOKENS_PER_EXPERT <= per_expert and (large or per_expert <= SMALL_EXPERT_SPECIALIZED_SLOTS)
             and specialized_candidate(config, num_tokens, spec)):
         return warp_specialised(specialized_tile(config, num_tokens))
     return None

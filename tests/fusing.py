@@ -20,7 +20,7 @@ def evolve_every_tile(monkeypatch, select, **options):
     """Make the runner and the workspace take `select`'s backends with `options` set on
     both GEMM tiles; returns that selection."""
     def select_evolved(config, tokens, spec, *, specialized=True):
-        backend = select(config, tokens, spec)
+        backend = select(config, tokens, spec, specialized=specialized)
         return attrs.evolve(backend, gemm1=attrs.evolve(backend.gemm1, **options),
                             gemm2=attrs.evolve(backend.gemm2, **options))
 

@@ -144,7 +144,9 @@ def test_dlpack_inputs_from_cupy_and_jax(layer):
     assert _error(out, expected) < 2e-2
 
 
-def test_prefill_batch_takes_the_shared_memory_tiles(layer):
+def test_prefill_batch_takes_the_shared_memory_tiles(layer, monkeypatch):
+    """The tiles, that is: on Hopper the oracle takes the warp-specialised GEMM first there."""
+    monkeypatch.setattr(moe.oracle, "USE_SPECIALIZED", False)
     big = MoELayer(layer.config, max_tokens=512)  # 128 slots per expert
     big.weights = layer.weights
     hidden, logits = _inputs(layer.config, 512, 7)
@@ -228,7 +230,9 @@ def test_tuner_times_candidates_with_cuda_graphs():
 def test_releasing_the_next_kernel_early_changes_no_bit(tokens, monkeypatch):
     """`GemmTile.release_early` moves only where a GEMM lets the next kernel's CTAs start
     (they then wait beside its main loop): replayed with early launch, decode and prefill
-    tiles, the layer's output must not change by a bit."""
+    tiles (not the warp-specialised GEMM the oracle takes first on Hopper at 512), the
+    layer's output must not change by a bit."""
+    monkeypatch.setattr(moe.oracle, "USE_SPECIALIZED", False)
     config = MoEConfig(**SMALL, quant=QuantScheme("gptq", group_size=128))
     outputs = {}
     for early in (False, True):

@@ -171,10 +171,13 @@ def test_oracle_takes_it_only_where_device_slots_and_weights_allow(monkeypatch):
     spec = kernel_spec(config)
     assert select_backend(config, 36, spec).specialized is None  # the simulator is no Hopper
     monkeypatch.setattr(moe.oracle, "specialized_device", lambda: True)
-    assert select_backend(config, 36, spec).specialized is None  # experts too small to pay
+    small = moe.oracle.SMALL_EXPERT_SPECIALIZED_SLOTS  # small experts: up to so many slots an expert
+    assert select_backend(config, 36, spec).specialized == moe.oracle.SPECIALIZED_TILE
+    assert select_backend(config, small, spec).specialized == moe.oracle.WIDEST_SPECIALIZED_TILE
+    assert select_backend(config, small + 1, spec).specialized is None  # beyond, the tiles
     mixtral = MoEConfig(num_experts=8, top_k=2, hidden_size=4096, intermediate_size=14336,
                         quant=QuantScheme("gptq", bits=4, group_size=128))
-    assert moe.oracle.specialized_backend(mixtral, 256, kernel_spec(mixtral)) is not None
+    assert moe.oracle.specialized_backend(mixtral, 4096, kernel_spec(mixtral)) is not None  # large: any count
     _as_on_hopper(monkeypatch)
     low = moe.oracle.SPECIALIZED_TOKENS_PER_EXPERT
     assert select_backend(config, low, spec).specialized == moe.oracle.SPECIALIZED_TILE
