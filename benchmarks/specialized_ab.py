@@ -119,9 +119,6 @@ def main(argv=None) -> None:
     parser.add_argument("--from-slots", type=float, metavar="SLOTS",
                         help="slots an expert from which the oracle takes the warp-specialised GEMM (default "
                              f"{moe.oracle.SPECIALIZED_TOKENS_PER_EXPERT}): to time it below")
-    parser.add_argument("--expert-weights", type=int, metavar="WEIGHTS",
-                        help="weights an expert (hidden x intermediate) from which the oracle takes it (default "
-                             f"{moe.oracle.SPECIALIZED_EXPERT_WEIGHTS}): to time it on smaller experts")
     parser.add_argument("--variant", nargs="+", metavar="FIELD=VALUE",
                         help="also time the warp-specialised GEMM with these SpecializedTile fields changed")
     parser.add_argument("--without-tiles", action="store_true",
@@ -141,8 +138,6 @@ def main(argv=None) -> None:
                      "checks run in the simulator: tests/test_specialized.py)")
     if args.from_slots is not None:
         moe.oracle.SPECIALIZED_TOKENS_PER_EXPERT = args.from_slots
-    if args.expert_weights is not None:
-        moe.oracle.SPECIALIZED_EXPERT_WEIGHTS = args.expert_weights
     timer = Timer()
     say(torch.cuda.get_device_name())
     for job in args.jobs:

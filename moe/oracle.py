@@ -8,8 +8,8 @@ moe.tune`), topped up by those another GPU of the same architecture measured (`t
 an H100 takes the H200's tiles for the token counts it has not tuned itself, rather than
 the untuned heuristic), and falls back to a heuristic. Where no entry was tuned with the
 warp-specialised GEMM among its candidates (every table from before it), the oracle may
-take that GEMM first (`specialized_backend`: Hopper, from tens of slots an expert up,
-small experts only up to 128). The heuristic:
+take that GEMM first (`specialized_backend`: Hopper, from tens of slots an expert up).
+The heuristic:
 
 * decode (few tokens per expert): operands straight from global memory, 4 warps splitting
   K, batches of 2 slabs each (double buffered; 4 with swapped operands), and a K split
@@ -194,25 +194,14 @@ def _prefill_backend(config: MoEConfig, num_tokens: int) -> Backend:
 
 SPECIALIZED_TOKENS_PER_EXPERT = 32
 """Expected slots an expert from which both GEMMs run warp-specialised (on Hopper): from
-tens of slots, where the prefill tiles are latency-bound, up. Measured on the H200 (the
-layer's GEMMs against its tiles): Mixtral M = 128 (32 an expert) 350 against 632 us
-(seventy-fourth session of benchmarks/LOG.md); M = 256 (64) 448 against 701 to 733;
-M = 1024 (256) 1704 against 2106 (80 wide, two parts a block); M = 4096 (1024) 6177
-against 8152 (128 wide, seventy-fifth session)."""
-SPECIALIZED_EXPERT_WEIGHTS = 8 << 20
-"""Weights an expert (hidden x intermediate) from which it pays at every count: an expert's
-stages are decoded once a part, which gains most where its weights are large. Measured on
-the H200 at 64 slots an expert (seventy-first and seventy-second sessions, one wgmma group
-in flight): DeepSeek-V3 (14.7 M) 5.08 against 6.71 ms, Mixtral (58.7 M) 604 against 686 us.
-Smaller experts take it up to SMALL_EXPERT_SPECIALIZED_SLOTS."""
-SMALL_EXPERT_SPECIALIZED_SLOTS = 128
-"""Slots an expert up to which experts under SPECIALIZED_EXPERT_WEIGHTS take it too: their
-short K (Qwen3-30B-A3B's gemm2 runs 12 stages a part) leaves each part's fill and
-epilogue unhidden, which the tiles' many CTAs an SM hide, so the gain of decoding once a
-part shrinks as parts widen. Qwen3 (1.6 M) on the H200 (seventy-ninth session of
-benchmarks/LOG.md, side by side, GEMMs us, w4a16 / NVFP4 / zero points): 32 slots 223 /
-234 against 277 / 279; 64: 296 / - / 345 against 332 / - / 354; 128: 532 / 542 / 555
-against 570 / 566 / 619; 256: 980 / 996 against 937 / 919 (the tiles win)."""
+tens of slots, where the prefill tiles are latency-bound, up, for experts of any size.
+Measured on the H200 (the layer's GEMMs against its tiles, us): Mixtral M = 128 (32 an
+expert) 350 against 632 (seventy-fourth session of benchmarks/LOG.md); M = 256 (64) 448
+against 701 to 733; M = 1024 (256) 1704 against 2106 (80 wide, two parts a block); M =
+4096 (1024) 6177 against 8152 (128 wide, seventy-fifth session). Qwen3-30B-A3B, the
+smallest experts timed (1.6 M weights; seventy-ninth session, w4a16): 32 slots an expert
+223 against 277, 64 296 against 332, 128 532 against 570, and 256 783 against 937 since
+the stage blocks are written in 16-byte stores (before, 980: the tiles won there)."""
 USE_SPECIALIZED = os.environ.get("NUMBA_MOE_SPECIALIZED", "1") != "0"
 """NUMBA_MOE_SPECIALIZED=0: never the warp-specialised GEMM (what it buys, side by side)."""
 SPECIALIZED_TILE = SpecializedTile()
@@ -286,11 +275,8 @@ def warp_specialised(tile: SpecializedTile) -> Backend:
 def specialized_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec) -> Backend | None:
     """The untuned choice of the warp-specialised GEMM (`warp_specialised` with
     `specialized_tile`): a candidate (`specialized_candidate`) from
-    SPECIALIZED_TOKENS_PER_EXPERT slots an expert up, experts smaller than
-    SPECIALIZED_EXPERT_WEIGHTS only up to SMALL_EXPERT_SPECIALIZED_SLOTS; else None."""
-    per_expert = slots_per_expert(config, num_tokens)
-    large = config.hidden_size * config.intermediate_size >= SPECIALIZED_EXPERT_WEIGHTS
-    if (SPECIALIZED_TOKENS_PER_EXPERT <= per_expert and (large or per_expert <= SMALL_EXPERT_SPECIALIZED_SLOTS)
+    SPECIALIZED_TOKENS_PER_EXPERT slots an expert up; else None."""
+    if (SPECIALIZED_TOKENS_PER_EXPERT <= slots_per_expert(config, num_tokens)
             and specialized_candidate(config, num_tokens, spec)):
         return warp_specialised(specialized_tile(config, num_tokens))
     return None

@@ -330,8 +330,8 @@ def _column_stores(max_width: int, row_table: int, to_half):
 
 def check_stage_blocks(name: str, blocks, parts: int, k: int, tile: SpecializedTile) -> torch.Tensor:
     """`blocks` checked as the stage blocks of `parts` parts over K = k (int32, 1-D, large
-    enough): what the gather writes and a GEMM of that K reads."""
-    blocks = interop.check_tensor(name, blocks, dtype=torch.int32, ndim=1)
+    enough, 16-byte aligned): what the gather writes and a GEMM of that K reads."""
+    blocks = interop.check_tensor(name, blocks, dtype=torch.int32, ndim=1, alignment=16)
     needed = tile.stage_words(parts, k)
     if blocks.numel() < needed:
         raise ValueError(f"{name} must hold {needed} int32 words ({parts} parts x {k // STEP_K} stages of "

@@ -1,7 +1,7 @@
 """The few instructions Numba's kernel language lacks, one PTX instruction per helper.
 
 Numba has no tensor-core instruction, no packed half-precision arithmetic and no 16-byte
-load. This module supplies exactly those, and nothing else:
+load or store. This module supplies exactly those, and nothing else:
 
 =======================  ==================================  ==========================
 helper                   PTX                                 used for
@@ -21,6 +21,8 @@ helper                   PTX                                 used for
 ``load_words[n](a, i)``  ld.global.nc{,.v2,.v4}.u32          n weight words at flat element i
 ``load_written[n](a, i)`` ld.global{,.v2,.v4}.u32            n words an earlier kernel wrote
 ``load_shared[n](s, i)`` ld.shared{,.v2,.v4}.u32             n words of a shared array
+``store_words4(a, i,     st.global.v4.u32                    16-byte stores (stage
+w0, w1, w2, w3)``                                            blocks)
 ``load_coherent(a, i)``  ld.global.cg.u32                    a word other CTAs wrote
 ``arrive(a, i)``         atom.acq_rel.gpu.global.add.u32     publish a CTA's stores
 ``copy_async(s, i, a,    cp.async.cg.shared.global 16        prefill: global -> shared
@@ -385,6 +387,31 @@ def _gpu_word_load(count: int, space: str):
     return _gpu_read(asm, count, _shared_pointer if space == "shared" else _element_pointer, ordered=space != "global.nc")
 
 
+def _gpu_word_store():
+    """store_words4 as an intrinsic: four words to flat element `offset` of a C-contiguous
+    32-bit global array, one 16-byte store (the address aligned to 16)."""
+    from llvmlite import ir
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def store_words4(typingctx, array, offset, w0, w1, w2, w3):
+        _check_flat(array, offset)
+        if array.dtype.bitwidth != 32 or not all(isinstance(word, types.Integer) for word in (w0, w1, w2, w3)):
+            raise TypeError(f"store_words4 stores integer words to a 32-bit array, got {array}, {(w0, w1, w2, w3)}")
+
+        def codegen(context, builder, sig, args):
+            pointer = _element_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            words = [context.cast(builder, word, kind, types.uint32) for word, kind in zip(args[2:], sig.args[2:])]
+            i32 = ir.IntType(32)
+            _statement("st.global.v4.u32 [$0], {$1, $2, $3, $4};", (pointer.type, i32, i32, i32, i32),
+                       "l,r,r,r,r")(builder, (pointer, *words))
+            return context.get_dummy_value()
+
+        return types.void(array, offset, w0, w1, w2, w3), codegen
+
+    return store_words4
+
+
 def _statement(asm, operand_types=(), constraints=""):
     """Emitter of an instruction with no result, kept in place: a compiler barrier to memory."""
     from llvmlite import ir
@@ -639,6 +666,11 @@ load_written = {n: twins.load_words(n) if SIMULATED else _gpu_word_load(n, "glob
 # moved a load whose address a loop did not change out of the loop, above every wait
 # (sixty-sixth session; the tiles' machine code is the same either way).
 load_shared = {n: twins.load_words(n) if SIMULATED else _gpu_word_load(n, "shared") for n in (1, 2, 4)}
+# store_words4(array, offset, w0, w1, w2, w3): the four words to flat elements offset to
+# offset + 3 of a C-contiguous 32-bit array, one 16-byte store (offset a multiple of 4,
+# the array 16-byte aligned): four scalar stores at a 16-byte stride across a warp's
+# lanes made the L2 take each warp's 512 bytes four times over.
+store_words4 = twins.store_words4 if SIMULATED else _gpu_word_store()
 # load_coherent(array, offset): the 32-bit word at flat element `offset` of a 32-bit array,
 # cached in L2 only: words another CTA of the same launch wrote (published by `arrive`:
 # `epilogue`), or an earlier kernel wrote and this one reads before `wait_for_previous`

@@ -30,6 +30,12 @@ from .align import check_alignment_arrays
 from .gemm_specialized import STEP_K, SpecializedTile, check_picks, check_stage_blocks
 from .launch import launch_kernel
 
+# 16-byte loads and stores: a piece a thread, the pieces of a warp's lanes one run of the
+# stage blocks (a kernel calls the helpers themselves, not the dict they live in).
+load4, store4, byte_perm = ptx.load_written[4], ptx.store_words4, ptx.byte_perm
+# byte_perm selectors: the low halves of two words as one word, and the high halves
+GATES, UPS = uint32(0x5410), uint32(0x7632)
+
 
 @ptx.device
 def piece_of(p, width):
@@ -66,14 +72,11 @@ def make_gather_kernel(tile: SpecializedTile, k: int, divisor: int):
         base = (part * uint32(steps) + stage) * uint32(block_words)
         for p in range(t, uint32(8) * width, uint32(block_m)):
             s, kk = piece_of(uint32(p), width)
-            at = base + uint32(4) * uint32(p)
+            w0 = w1 = w2 = w3 = uint32(0)
             if s < count:
-                row, word = ids[skipped + s] // uint32(divisor), (stage * uint32(STEP_K) + kk) // uint32(2)
-                for i in range(4):
-                    blocks[at + uint32(i)] = source[row, word + uint32(i)]
-            else:
-                for i in range(4):
-                    blocks[at + uint32(i)] = int32(0)
+                row = ids[skipped + s] // uint32(divisor)
+                w0, w1, w2, w3 = load4(source, row * uint32(k // 2) + (stage * uint32(STEP_K) + kk) // uint32(2))
+            store4(blocks, base + uint32(4) * uint32(p), w0, w1, w2, w3)
 
     return gather
 
@@ -94,17 +97,30 @@ def make_activate_kernel(tile: SpecializedTile, width_in: int, activation: Activ
         return to_f32(word), to_f32(uint32(word) >> uint32(16))
 
     @ptx.device
-    def output_pair(gate_up, row, feature):
-        """The activation of features `feature` and + 1 (even) of one row, as a word."""
-        if interleaved:  # a word a feature: (gate, up)
-            gate0, up0 = halves(gate_up[row, feature])
-            gate1, up1 = halves(gate_up[row, feature + uint32(1)])
-        else:
-            gate0, gate1 = halves(gate_up[row, feature // uint32(2)])
-            up0, up1 = gate0, gate1
-            if gated:
-                up0, up1 = halves(gate_up[row, uint32(intermediate // 2) + feature // uint32(2)])
-        return int32(pack2(apply(gate0, up0), apply(gate1, up1)))
+    def output_word(gate, up):
+        """The activation of two features as a word, from the word of their two gate halves
+        and that of their two up halves."""
+        gate0, gate1 = halves(gate)
+        up0, up1 = halves(up)
+        return pack2(apply(gate0, up0), apply(gate1, up1))
+
+    @ptx.device
+    def output_words(gate_up, row, feature):
+        """The activation of features `feature` to + 7 (a multiple of 8) of one row, as four
+        words, from 16-byte loads."""
+        at = row * uint32(width_in // 2)
+        if interleaved:  # a word a feature, (gate, up): each pair's two gates and two ups regrouped
+            a0, a1, a2, a3 = load4(gate_up, at + feature)
+            b0, b1, b2, b3 = load4(gate_up, at + feature + uint32(4))
+            return (output_word(byte_perm(a0, a1, GATES), byte_perm(a0, a1, UPS)),
+                    output_word(byte_perm(a2, a3, GATES), byte_perm(a2, a3, UPS)),
+                    output_word(byte_perm(b0, b1, GATES), byte_perm(b0, b1, UPS)),
+                    output_word(byte_perm(b2, b3, GATES), byte_perm(b2, b3, UPS)))
+        g0, g1, g2, g3 = load4(gate_up, at + feature // uint32(2))
+        u0, u1, u2, u3 = g0, g1, g2, g3  # an activation without a gate reads no up half
+        if gated:
+            u0, u1, u2, u3 = load4(gate_up, at + uint32(intermediate // 2) + feature // uint32(2))
+        return output_word(g0, u0), output_word(g1, u1), output_word(g2, u2), output_word(g3, u3)
 
     @ptx.kernel
     def activate(gate_up, picks, blocks):
@@ -117,9 +133,8 @@ def make_activate_kernel(tile: SpecializedTile, width_in: int, activation: Activ
         base = (part * uint32(steps) + stage) * uint32(block_words)
         for p in range(t, uint32(8) * width, uint32(block_m)):
             s, kk = piece_of(uint32(p), width)
-            row, feature = first_row + s, stage * uint32(STEP_K) + kk
-            for i in range(4):
-                blocks[base + uint32(4) * uint32(p) + uint32(i)] = output_pair(gate_up, row, feature + uint32(2 * i))
+            w0, w1, w2, w3 = output_words(gate_up, first_row + s, stage * uint32(STEP_K) + kk)
+            store4(blocks, base + uint32(4) * uint32(p), w0, w1, w2, w3)
 
     return activate
 
@@ -154,7 +169,7 @@ def activate_blocks(gate_up, activation: Activation, tile: SpecializedTile, pick
         raise TypeError(f"tile must be a SpecializedTile, got {type(tile).__name__}")
     if not isinstance(activation, Activation):
         raise TypeError(f"activation must be an Activation, got {type(activation).__name__}")
-    gate_up = interop.check_tensor("gate_up", gate_up, dtype=tuple(interop.HALF_NAMES), ndim=2)
+    gate_up = interop.check_tensor("gate_up", gate_up, dtype=tuple(interop.HALF_NAMES), ndim=2, alignment=16)
     rows, width_in = gate_up.shape
     k = activation.output_width(width_in)
     if rows % tile.block_m or k % STEP_K or (activation.gated and width_in % 2):

@@ -346,6 +346,14 @@ def load_words(count: int):
     return load
 
 
+def store_words4(array, offset, w0, w1, w2, w3):
+    flat = array.reshape(-1)
+    if flat.dtype.itemsize != 4:
+        raise TypeError(f"store_words4 stores to a 32-bit array, got {flat.dtype}")
+    for w, word in enumerate((w0, w1, w2, w3)):
+        flat[offset + w] = np.uint32(int(word) & 0xFFFFFFFF).view(flat.dtype)
+
+
 def load_bits(array, offset):
     return np.array(array.reshape(-1)[offset]).view(np.uint32)[()]
 

@@ -92,7 +92,7 @@ def test_bench_rows_are_listed_in_the_tables_order_and_printed(monkeypatch, caps
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 @pytest.mark.parametrize("name,argv", [("bench_moe", ["--shapes", "qwen3", "--tokens", "1"]),
                                        ("compare_trees", ["--trees", "a=.", "--jobs", "qwen3:nvfp4:1"]),
-                                       ("specialized_ab", [])])
+                                       ("specialized_ab", []), ("stage_blocks_rates", [])])
 def test_a_timing_script_without_a_gpu_says_it_needs_one(name, argv, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     try:
@@ -162,3 +162,18 @@ def test_replay_stress_says_where_outputs_differ_and_changes_the_oracles_tiles(m
         sys.modules.pop("replay_stress", None)
 
 
+
+
+@pytest.mark.parametrize("job", ["llama:4096", "qwen3:", "qwen3:0"])
+def test_stage_blocks_rates_names_a_job_it_cannot_build(job, monkeypatch, capsys):
+    """A job (shape:tokens) that names no benchmark shape or no positive count fails by name
+    before any GPU is looked for."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    try:
+        rates = importlib.import_module("stage_blocks_rates")
+        assert rates.parse_job("mixtral:256") == ("mixtral", 256)
+        with pytest.raises(SystemExit):
+            rates.main(["--jobs", job])
+    finally:
+        sys.modules.pop("stage_blocks_rates", None)
+    assert "a job is shape:tokens with a shape of" in capsys.readouterr().err

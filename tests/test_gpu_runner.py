@@ -359,13 +359,12 @@ def test_prefill_gemm1_finishing_the_activation_equals_the_separate_kernels(shap
 @pytest.mark.parametrize("tokens", [256, 1024])
 def test_warp_specialised_layer_matches_the_reference(quant, tokens, monkeypatch):
     """At 64 slots an expert on Hopper the oracle takes the warp-specialised GEMM (each block's
-    part at the width its count needs; experts of any size here), at 256 its widest tile
+    part at the width its count needs), at 256 its widest tile
     (parts of up to 256 slots, a launch bound of one CTA an SM; zero points too, though
     they spill): the layer equals its float64 definition, a replay (new inputs) gives what the
     tiles give, and the same bits every time (with the wait for the last wgmma after the
     main loop, ptxas read the accumulators before it, and a run missed the last stage at
     random)."""
-    monkeypatch.setattr(moe.oracle, "SPECIALIZED_EXPERT_WEIGHTS", 0)
     config = MoEConfig(num_experts=8, top_k=2, hidden_size=1024, intermediate_size=512, quant=quant)
     backend = select_backend(config, tokens, kernel_spec(config))
     if backend.specialized is None:
@@ -390,7 +389,6 @@ def test_warp_specialised_expert_parallel_ranks_sum_to_the_layer(monkeypatch):
     """Two ranks of four experts each, 128 tokens (32 slots an expert): each rank's layer
     runs warp-specialised, recorded and replayed, and the ranks' outputs sum to the full
     layer's float64 definition (the other rank's slots add nothing)."""
-    monkeypatch.setattr(moe.oracle, "SPECIALIZED_EXPERT_WEIGHTS", 0)
     full = MoEConfig(num_experts=8, top_k=2, hidden_size=1024, intermediate_size=512, quant=QuantScheme("gptq"))
     checkpoint = random_checkpoint(full, np.random.default_rng(2))
     hidden, logits = _inputs(full, 128, 3)

@@ -178,6 +178,22 @@ def test_flat_word_loads_read_little_endian_words_of_any_integer_width(dtype, lo
     np.testing.assert_array_equal(loaded[:, 6], words[:, 2])
 
 
+
+@pytest.mark.parametrize("dtype", [np.int32, np.float32])
+def test_sixteen_byte_stores_write_four_words_and_nothing_else(dtype):
+    """`ptx.store_words4`: thread i's four words (a negative one among them) land at flat
+    elements 4i to 4i + 3 of a 2-D 32-bit array, bit for bit; the words past them stay."""
+    @ptx.kernel
+    def run(words, out):
+        i = cuda.threadIdx.x
+        ptx.store_words4(out, 4 * i, words[i, 0], words[i, 1], words[i, 2], words[i, 3])
+
+    words = np.random.default_rng(3).integers(-2**31, 2**31, (8, 4), dtype=np.int64).astype(np.int32)
+    out = np.full((3, 16), 7, np.int32).view(dtype)
+    run[1, 8](words, out)
+    np.testing.assert_array_equal(out.view(np.int32).reshape(-1)[:32], words.reshape(-1))
+    assert (out.view(np.int32).reshape(-1)[32:] == 7).all()
+
 def test_only_the_weight_readers_load_through_the_read_only_path():
     """`ptx.load_words` (ld.global.nc) promises ptxas that nothing writes the array while
     the kernel runs, so ptxas may issue its loads before `wait_for_previous`: gemm2 once

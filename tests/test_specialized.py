@@ -20,12 +20,12 @@ from moe.oracle import Backend, backend_from_dict, backend_to_dict, select_backe
 from moe.reference import random_checkpoint, reference_moe
 from moe.weights import kernel_spec
 from numba_kernels import interop
-from numba_kernels.activation import Activation
+from numba_kernels.activation import Activation, reference_activate
 from numba_kernels.align import align_sizes, moe_align_block_size
 from numba_kernels.gemm import GemmTile
 from numba_kernels.gemm_specialized import (SpecializedTile, make_specialized_kernel, specialized_gemm,
                                             specialized_supported)
-from numba_kernels.stage_blocks import activate_blocks, gather_blocks
+from numba_kernels.stage_blocks import activate_blocks, gather_blocks, piece_of
 from numba_kernels.weights import KernelWeights
 
 DEVICE = interop.kernel_device()
@@ -85,14 +85,45 @@ def test_gather_gemm_activation_gemm_give_the_specs_product(spec):
     assert not out[:slots].isnan().any()
 
 
+
+@pytest.mark.parametrize("activation", [Activation("swigluoai"), Activation("gelu", gated=False), Activation("relu")],
+                         ids=["interleaved", "no gate", "gate and up halves"])
+def test_activation_stage_blocks_hold_each_slots_activation(activation):
+    """`activate_blocks` (16-byte loads of gemm1's rows, 16-byte stores) for each way gate
+    and up lie in a row: piece p of a part's stage holds the activation of the eight
+    features `piece_of` names, of its slot's row, as halves; parts without slots stay
+    untouched."""
+    intermediate = 128
+    width_in = 2 * intermediate if activation.gated else intermediate
+    rows = torch.from_numpy(np.random.default_rng(4).standard_normal((2 * TILE.block_m, width_in)))
+    gate_up = rows.to(torch.bfloat16)
+    picks = torch.tensor([1, 0, -1, 0], dtype=torch.int32)  # parts of widths 16, 8, none, 8
+    steps, words = intermediate // 64, TILE.block_words()
+    stage = torch.full((picks.numel() * steps * words,), -1, dtype=torch.int32, device=DEVICE)
+    activate_blocks(gate_up.to(DEVICE), activation, TILE, picks.to(DEVICE), stage)
+    expected = reference_activate(gate_up.float().numpy(), activation)
+    got = stage.cpu()
+    for part, pick in enumerate(picks.tolist()):
+        held = got[part * steps * words:(part + 1) * steps * words]
+        if pick < 0:
+            assert (held == -1).all(), part
+            continue
+        width = (pick + 1) * TILE.width_step
+        first_row = part // TILE.sub_blocks * TILE.block_m + part % TILE.sub_blocks * TILE.max_width
+        for step in range(steps):
+            halves = held[step * words:(step + 1) * words].view(torch.bfloat16).double().numpy()
+            for p in range(8 * width):
+                slot, k = (int(v) for v in piece_of(np.uint32(p), np.uint32(width)))
+                want = expected[first_row + slot, 64 * step + k:64 * step + k + 8]
+                np.testing.assert_allclose(halves[8 * p:8 * p + 8], want, rtol=1e-2, atol=1e-2)
+
 def _tiny_config(quant=QuantScheme("gptq", bits=4, group_size=64), **fields):
     return MoEConfig(**{**dict(num_experts=2, top_k=2, hidden_size=128, intermediate_size=128), **fields}, quant=quant)
 
 
 def _as_on_hopper(monkeypatch):
-    """The oracle as on an H100 / H200, taking experts of any size."""
+    """The oracle as on an H100 / H200."""
     monkeypatch.setattr(moe.oracle, "specialized_device", lambda: True)
-    monkeypatch.setattr(moe.oracle, "SPECIALIZED_EXPERT_WEIGHTS", 0)
 
 
 def test_layer_takes_the_warp_specialised_gemm_on_hopper_and_replays_it(monkeypatch):
@@ -166,18 +197,10 @@ def test_expert_parallel_ranks_sum_to_the_full_layer(monkeypatch):
     assert np.linalg.norm(total - expected) / np.linalg.norm(expected) < 2e-2
 
 
-def test_oracle_takes_it_only_where_device_slots_and_weights_allow(monkeypatch):
+def test_oracle_takes_it_only_where_device_slots_and_layout_allow(monkeypatch):
     config = _tiny_config()
     spec = kernel_spec(config)
     assert select_backend(config, 36, spec).specialized is None  # the simulator is no Hopper
-    monkeypatch.setattr(moe.oracle, "specialized_device", lambda: True)
-    small = moe.oracle.SMALL_EXPERT_SPECIALIZED_SLOTS  # small experts: up to so many slots an expert
-    assert select_backend(config, 36, spec).specialized == moe.oracle.SPECIALIZED_TILE
-    assert select_backend(config, small, spec).specialized == moe.oracle.WIDEST_SPECIALIZED_TILE
-    assert select_backend(config, small + 1, spec).specialized is None  # beyond, the tiles
-    mixtral = MoEConfig(num_experts=8, top_k=2, hidden_size=4096, intermediate_size=14336,
-                        quant=QuantScheme("gptq", bits=4, group_size=128))
-    assert moe.oracle.specialized_backend(mixtral, 4096, kernel_spec(mixtral)) is not None  # large: any count
     _as_on_hopper(monkeypatch)
     low = moe.oracle.SPECIALIZED_TOKENS_PER_EXPERT
     assert select_backend(config, low, spec).specialized == moe.oracle.SPECIALIZED_TILE
@@ -304,6 +327,8 @@ def test_bad_arguments_fail_by_name_before_any_kernel():
     with pytest.raises(ValueError, match="picks must have shape"):
         gather_blocks(hidden, alignment, 8, 2, TILE, picks[1:], stage)
     with pytest.raises(ValueError, match="blocks must hold"):
+        gather_blocks(hidden, alignment, 8, 2, TILE, picks, stage[:-4])
+    with pytest.raises(ValueError, match="blocks must start at a 16-byte aligned address"):  # 16-byte stores
         gather_blocks(hidden, alignment, 8, 2, TILE, picks, stage[1:])
     with pytest.raises(TypeError, match="tile must be a SpecializedTile"):
         gather_blocks(hidden, alignment, 8, 2, moe.oracle.PREFILL_TILE, picks, stage)
