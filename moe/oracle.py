@@ -200,7 +200,7 @@ expert) 350 against 632 (seventy-fourth session of benchmarks/LOG.md); M = 256 (
 against 701 to 733; M = 1024 (256) 1704 against 2106 (80 wide, two parts a block); M =
 4096 (1024) 6177 against 8152 (128 wide, seventy-fifth session). Qwen3-30B-A3B, the
 smallest experts timed (1.6 M weights; seventy-ninth session, w4a16): 32 slots an expert
-223 against 277, 64 296 against 332, 128 532 against 570, and 256 783 against 937 since
+223 against 277, 64 296 against 332, 128 532 against 570, and 256 782 against 937 since
 the stage blocks are written in 16-byte stores (before, 980: the tiles won there)."""
 USE_SPECIALIZED = os.environ.get("NUMBA_MOE_SPECIALIZED", "1") != "0"
 """NUMBA_MOE_SPECIALIZED=0: never the warp-specialised GEMM (what it buys, side by side)."""
