@@ -162,8 +162,6 @@ def test_replay_stress_says_where_outputs_differ_and_changes_the_oracles_tiles(m
         sys.modules.pop("replay_stress", None)
 
 
-
-
 @pytest.mark.parametrize("job", ["llama:4096", "qwen3:", "qwen3:0"])
 def test_stage_blocks_rates_names_a_job_it_cannot_build(job, monkeypatch, capsys):
     """A job (shape:tokens) that names no benchmark shape or no positive count fails by name

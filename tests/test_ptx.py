@@ -178,7 +178,6 @@ def test_flat_word_loads_read_little_endian_words_of_any_integer_width(dtype, lo
     np.testing.assert_array_equal(loaded[:, 6], words[:, 2])
 
 
-
 @pytest.mark.parametrize("dtype", [np.int32, np.float32])
 def test_sixteen_byte_stores_write_four_words_and_nothing_else(dtype):
     """`ptx.store_words4`: thread i's four words (a negative one among them) land at flat

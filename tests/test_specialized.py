@@ -85,7 +85,6 @@ def test_gather_gemm_activation_gemm_give_the_specs_product(spec):
     assert not out[:slots].isnan().any()
 
 
-
 @pytest.mark.parametrize("activation", [Activation("swigluoai"), Activation("gelu", gated=False), Activation("relu")],
                          ids=["interleaved", "no gate", "gate and up halves"])
 def test_activation_stage_blocks_hold_each_slots_activation(activation):
