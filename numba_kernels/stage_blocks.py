@@ -45,6 +45,14 @@ def piece_of(p, width):
     return slot, (rest // groups) * uint32(16) + (p // uint32(8)) % uint32(2) * uint32(8)
 
 
+@ptx.device
+def piece_at(slot, kk, width):
+    """The piece of a stage at `width` that holds K `kk` (a multiple of 8) of `slot`:
+    `piece_of`'s inverse."""
+    slab, half = kk // uint32(16), kk // uint32(8) % uint32(2)
+    return (slab * (width // uint32(8)) + slot // uint32(8)) * uint32(16) + half * uint32(8) + slot % uint32(8)
+
+
 @functools.cache
 def make_gather_kernel(tile: SpecializedTile, k: int, divisor: int):
     """kernel(source, rows, expert_ids, num_post_padded, num_slots, picks, blocks), grid
@@ -83,7 +91,7 @@ def make_gather_kernel(tile: SpecializedTile, k: int, divisor: int):
 
 @functools.cache
 def make_activate_kernel(tile: SpecializedTile, width_in: int, activation: Activation, half: str):
-    """kernel(gate_up, picks, blocks), grid (blocks x tile.sub_blocks, I / 64), block_m
+    """kernel(gate_up, picks, blocks), grid (blocks x tile.sub_blocks x I / 64), block_m
     threads: `gate_up` (blocks x block_m, width_in / 2) int32 words of gemm1's halves."""
     block_m, max_width, sub_blocks = tile.block_m, tile.max_width, tile.sub_blocks
     step, block_words = tile.width_step, tile.block_words()
@@ -124,17 +132,22 @@ def make_activate_kernel(tile: SpecializedTile, width_in: int, activation: Activ
 
     @ptx.kernel
     def activate(gate_up, picks, blocks):
-        part, stage, t = uint32(cuda.blockIdx.x), uint32(cuda.blockIdx.y), uint32(cuda.threadIdx.x)
+        # Stages vary fastest over the grid, so that CTAs running together read neighbouring
+        # lines of the same rows; within a CTA, thread u reads K 8 (u % 8) of slot u // 8, so
+        # a warp reads whole 128-byte lines of four rows (and stores four slots' pieces, 64
+        # bytes, together).
+        stage, part = uint32(cuda.blockIdx.x) % uint32(steps), uint32(cuda.blockIdx.x) // uint32(steps)
+        t = uint32(cuda.threadIdx.x)
         pick = picks[part]
         if pick < 0:
             return
         width = uint32(pick + 1) * uint32(step)
         first_row = part // uint32(sub_blocks) * uint32(block_m) + part % uint32(sub_blocks) * uint32(max_width)
         base = (part * uint32(steps) + stage) * uint32(block_words)
-        for p in range(t, uint32(8) * width, uint32(block_m)):
-            s, kk = piece_of(uint32(p), width)
+        for u in range(t, uint32(8) * width, uint32(block_m)):
+            s, kk = uint32(u) // uint32(8), uint32(u) % uint32(8) * uint32(8)
             w0, w1, w2, w3 = output_words(gate_up, first_row + s, stage * uint32(STEP_K) + kk)
-            store4(blocks, base + uint32(4) * uint32(p), w0, w1, w2, w3)
+            store4(blocks, base + uint32(4) * piece_at(s, kk, width), w0, w1, w2, w3)
 
     return activate
 
@@ -178,5 +191,5 @@ def activate_blocks(gate_up, activation: Activation, tile: SpecializedTile, pick
     picks = check_picks(picks, rows // tile.block_m, tile)
     blocks = check_stage_blocks("blocks", blocks, picks.shape[0], k, tile)
     kernel = make_activate_kernel(tile, width_in, activation, interop.HALF_NAMES[gate_up.dtype])
-    launch_kernel(kernel, (picks.shape[0], k // STEP_K), tile.block_m, interop.to_kernel(gate_up.view(torch.int32)),
+    launch_kernel(kernel, picks.shape[0] * (k // STEP_K), tile.block_m, interop.to_kernel(gate_up.view(torch.int32)),
                   interop.to_kernel(picks), interop.to_kernel(blocks))

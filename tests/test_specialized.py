@@ -25,7 +25,7 @@ from numba_kernels.align import align_sizes, moe_align_block_size
 from numba_kernels.gemm import GemmTile
 from numba_kernels.gemm_specialized import (SpecializedTile, make_specialized_kernel, specialized_gemm,
                                             specialized_supported)
-from numba_kernels.stage_blocks import activate_blocks, gather_blocks, piece_of
+from numba_kernels.stage_blocks import activate_blocks, gather_blocks, piece_at, piece_of
 from numba_kernels.weights import KernelWeights
 
 DEVICE = interop.kernel_device()
@@ -115,6 +115,17 @@ def test_activation_stage_blocks_hold_each_slots_activation(activation):
                 slot, k = (int(v) for v in piece_of(np.uint32(p), np.uint32(width)))
                 want = expected[first_row + slot, 64 * step + k:64 * step + k + 8]
                 np.testing.assert_allclose(halves[8 * p:8 * p + 8], want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("width", [8, 16, 72, 256])
+def test_piece_at_is_the_inverse_of_piece_of(width):
+    """The activation stores by `piece_at`, the gather and the GEMM's reads go by
+    `piece_of`: each of a stage's 8 x width pieces must round-trip."""
+    width = np.uint32(width)
+    for p in range(8 * int(width)):
+        slot, k = piece_of(np.uint32(p), width)
+        assert piece_at(slot, k, width) == p, (p, slot, k)
+
 
 def _tiny_config(quant=QuantScheme("gptq", bits=4, group_size=64), **fields):
     return MoEConfig(**{**dict(num_experts=2, top_k=2, hidden_size=128, intermediate_size=128), **fields}, quant=quant)
