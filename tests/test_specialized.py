@@ -85,13 +85,21 @@ def test_gather_gemm_activation_gemm_give_the_specs_product(spec):
     assert not out[:slots].isnan().any()
 
 
+def documented_piece(p, width):
+    """(slot, K within the stage) of piece `p` of a stage at `width`, read off the layout
+    `stage_blocks` documents: slabs of 16 of K, in each the slots' groups of 8, in each
+    two halves of the slab's K, in each 8 slots (wgmma's K-major core matrices)."""
+    slab, group = divmod(p // 16, width // 8)
+    return 8 * group + p % 8, 16 * slab + 8 * (p // 8 % 2)
+
+
 @pytest.mark.parametrize("activation", [Activation("swigluoai"), Activation("gelu", gated=False), Activation("relu")],
                          ids=["interleaved", "no gate", "gate and up halves"])
 def test_activation_stage_blocks_hold_each_slots_activation(activation):
     """`activate_blocks` (16-byte loads of gemm1's rows, 16-byte stores) for each way gate
     and up lie in a row: piece p of a part's stage holds the activation of the eight
-    features `piece_of` names, of its slot's row, as halves; parts without slots stay
-    untouched."""
+    features `documented_piece` names, of its slot's row, as halves; parts without slots
+    stay untouched."""
     intermediate = 128
     width_in = 2 * intermediate if activation.gated else intermediate
     rows = torch.from_numpy(np.random.default_rng(4).standard_normal((2 * TILE.block_m, width_in)))
@@ -112,19 +120,20 @@ def test_activation_stage_blocks_hold_each_slots_activation(activation):
         for step in range(steps):
             halves = held[step * words:(step + 1) * words].view(torch.bfloat16).double().numpy()
             for p in range(8 * width):
-                slot, k = (int(v) for v in piece_of(np.uint32(p), np.uint32(width)))
+                slot, k = documented_piece(p, width)
                 want = expected[first_row + slot, 64 * step + k:64 * step + k + 8]
                 np.testing.assert_allclose(halves[8 * p:8 * p + 8], want, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("width", [8, 16, 72, 256])
-def test_piece_at_is_the_inverse_of_piece_of(width):
-    """The activation stores by `piece_at`, the gather and the GEMM's reads go by
-    `piece_of`: each of a stage's 8 x width pieces must round-trip."""
-    width = np.uint32(width)
-    for p in range(8 * int(width)):
-        slot, k = piece_of(np.uint32(p), width)
-        assert piece_at(slot, k, width) == p, (p, slot, k)
+def test_piece_of_and_piece_at_follow_the_documented_layout(width):
+    """The gather stores piece p of (slot, K) = `piece_of(p)`, the activation stores
+    (slot, K) at `piece_at`: both as documented, every piece of a stage once."""
+    u32 = np.uint32
+    for p in range(8 * width):
+        slot, k = documented_piece(p, width)
+        assert tuple(int(v) for v in piece_of(u32(p), u32(width))) == (slot, k), p
+        assert int(piece_at(u32(slot), u32(k), u32(width))) == p, p
 
 
 def _tiny_config(quant=QuantScheme("gptq", bits=4, group_size=64), **fields):
