@@ -8,7 +8,7 @@ moe.tune`), topped up by those another GPU of the same architecture measured (`t
 an H100 takes the H200's tiles for the token counts it has not tuned itself, rather than
 the untuned heuristic), and falls back to a heuristic. Where no entry was tuned with the
 warp-specialised GEMM among its candidates (every table from before it), the oracle may
-take that GEMM first (`specialized_backend`: Hopper, from tens of slots an expert up).
+take that GEMM first (`specialized_backend`: Hopper, from 16 or 32 slots an expert up).
 The heuristic:
 
 * decode (few tokens per expert): operands straight from global memory, 4 warps splitting
@@ -194,14 +194,24 @@ def _prefill_backend(config: MoEConfig, num_tokens: int) -> Backend:
 
 SPECIALIZED_TOKENS_PER_EXPERT = 32
 """Expected slots an expert from which both GEMMs run warp-specialised (on Hopper): from
-tens of slots, where the prefill tiles are latency-bound, up, for experts of any size.
+tens of slots, where the prefill tiles are latency-bound, up, for experts of any size
+(large ones from 16: LARGE_EXPERT_WEIGHTS).
 Measured on the H200 (the layer's GEMMs against its tiles, us): Mixtral M = 128 (32 an
 expert) 350 against 632 (seventy-fourth session of benchmarks/LOG.md); M = 256 (64) 448
 against 701 to 733; M = 1024 (256) 1704 against 2106 (80 wide, two parts a block); M =
 4096 (1024) 6177 against 8152 (128 wide, seventy-fifth session). Qwen3-30B-A3B, the
-smallest experts timed (1.6 M weights; seventy-ninth session, w4a16): 32 slots an expert
+smallest experts timed (4.7 M weights; seventy-ninth session, w4a16): 32 slots an expert
 223 against 277, 64 296 against 332, 128 532 against 570, and 256 782 against 937 since
 the stage blocks are written in 16-byte stores (before, 980: the tiles won there)."""
+LARGE_EXPERT_WEIGHTS = 8 * 2**20
+"""Experts of at least this many weights (both GEMMs') take the warp-specialised GEMM
+from the end of the decode regime, DECODE_TOKENS_PER_EXPERT slots an expert, on: there it
+streams their weights faster than the decode tiles. On the H200 (eightieth session, the
+layer's GEMMs against its tiles, us, w4a16 / NVFP4): Mixtral (176 M weights) at 16 slots
+an expert 312 / 323 against 385 / 359, at 12 300 against 320; DeepSeek (44 M) at 16 2381
+against 3069. At 8 slots the tiles won (Mixtral 297 against 257, DeepSeek 2220 against
+2103), and at 16 slots Qwen3's experts (4.7 M) gained nothing (173 / 185 against 173 /
+173)."""
 USE_SPECIALIZED = os.environ.get("NUMBA_MOE_SPECIALIZED", "1") != "0"
 """NUMBA_MOE_SPECIALIZED=0: never the warp-specialised GEMM (what it buys, side by side)."""
 SPECIALIZED_TILE = SpecializedTile()
@@ -261,9 +271,17 @@ def specialized_allowed(config: MoEConfig, spec: QuantSpec) -> bool:
 
 def specialized_candidate(config: MoEConfig, num_tokens: int, spec: QuantSpec) -> bool:
     """Whether the tuner times the warp-specialised GEMM at `num_tokens` tokens: where it
-    can run (`specialized_allowed`), in the prefill regime (more than
-    DECODE_TOKENS_PER_EXPERT slots an expert)."""
-    return slots_per_expert(config, num_tokens) > DECODE_TOKENS_PER_EXPERT and specialized_allowed(config, spec)
+    can run (`specialized_allowed`), from the end of the decode regime
+    (DECODE_TOKENS_PER_EXPERT slots an expert) up."""
+    return slots_per_expert(config, num_tokens) >= DECODE_TOKENS_PER_EXPERT and specialized_allowed(config, spec)
+
+
+def specialized_from(config: MoEConfig) -> int:
+    """Slots an expert from which the untuned oracle takes the warp-specialised GEMM:
+    DECODE_TOKENS_PER_EXPERT for experts of LARGE_EXPERT_WEIGHTS or more, else
+    SPECIALIZED_TOKENS_PER_EXPERT."""
+    weights = (config.gate_up_size + config.intermediate_size) * config.hidden_size
+    return DECODE_TOKENS_PER_EXPERT if weights >= LARGE_EXPERT_WEIGHTS else SPECIALIZED_TOKENS_PER_EXPERT
 
 
 def warp_specialised(tile: SpecializedTile) -> Backend:
@@ -274,9 +292,9 @@ def warp_specialised(tile: SpecializedTile) -> Backend:
 
 def specialized_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec) -> Backend | None:
     """The untuned choice of the warp-specialised GEMM (`warp_specialised` with
-    `specialized_tile`): a candidate (`specialized_candidate`) from
-    SPECIALIZED_TOKENS_PER_EXPERT slots an expert up; else None."""
-    if (SPECIALIZED_TOKENS_PER_EXPERT <= slots_per_expert(config, num_tokens)
+    `specialized_tile`): a candidate (`specialized_candidate`) from `specialized_from`
+    slots an expert up; else None."""
+    if (specialized_from(config) <= slots_per_expert(config, num_tokens)
             and specialized_candidate(config, num_tokens, spec)):
         return warp_specialised(specialized_tile(config, num_tokens))
     return None

@@ -224,6 +224,9 @@ def test_oracle_takes_it_only_where_device_slots_and_layout_allow(monkeypatch):
     low = moe.oracle.SPECIALIZED_TOKENS_PER_EXPERT
     assert select_backend(config, low, spec).specialized == moe.oracle.SPECIALIZED_TILE
     assert select_backend(config, low - 1, spec).specialized is None  # too few slots an expert
+    large = _tiny_config(hidden_size=1024, intermediate_size=4096)  # 12.6 M weights an expert
+    assert select_backend(large, 16, kernel_spec(large)).specialized == moe.oracle.SPECIALIZED_TILE
+    assert select_backend(large, 15, kernel_spec(large)).specialized is None  # the decode tiles' regime
     assert select_backend(config, 80, spec).specialized == moe.oracle.SPECIALIZED_TILE  # a part of a block each
     assert select_backend(config, 81, spec).specialized == moe.oracle.WIDE_SPECIALIZED_TILE  # more: parts of 128
     assert select_backend(config, 127, spec).specialized == moe.oracle.WIDE_SPECIALIZED_TILE
@@ -325,7 +328,7 @@ def test_the_tuner_times_it_and_the_oracle_takes_what_it_measured(tmp_path, monk
         assert select_backend(config, 36, spec, specialized=False).specialized is None
         wide = select_backend(config, 100, spec)  # 100 slots an expert, in the entry's reach: the wide tile
         assert wide == moe.oracle.warp_specialised(moe.oracle.WIDE_SPECIALIZED_TILE)
-        assert not moe.oracle.specialized_candidate(config, 16, spec)  # 16 an expert: decode tiles' regime
+        assert not moe.oracle.specialized_candidate(config, 15, spec)  # under 16 an expert: the decode tiles' regime
     finally:
         moe.oracle.tuned_tables.cache_clear()
 
