@@ -29,8 +29,8 @@ from numba_kernels.stage_blocks import activate_blocks, gather_blocks, piece_at,
 from numba_kernels.weights import KernelWeights
 
 DEVICE = interop.kernel_device()
-# Blocks of 32 slots in two parts of up to 16 (widths 8 and 16); K = 256 goes round the ring of
-# two stages twice, K = 192 once and a half (the last round, after the main loop, partial).
+# Blocks of 32 slots in two parts of up to 16 (widths 8 and 16); K = 128 goes round the ring of
+# two stages once, K = 192 once and a half (the last round, after the main loop, partial).
 TILE = SpecializedTile(block_m=32, max_width=16, width_step=8, stages=2)
 
 
@@ -49,7 +49,7 @@ def test_gather_gemm_activation_gemm_give_the_specs_product(spec):
     hidden @ w13 rounded to halves, gemm2's row of each slot act(gate) * up @ w2, and the
     padding's sentinel row is the only other row gemm2 writes."""
     rng = np.random.default_rng(0)
-    experts, hidden_size, intermediate, top_k = 3, 256, 192, 2
+    experts, hidden_size, intermediate, top_k = 3, 128, 192, 2
     w13, dense13 = _weights(spec, (experts, 2 * intermediate, hidden_size), rng)
     w2, dense2 = _weights(spec, (experts, hidden_size, intermediate), rng)
     ids = torch.tensor([[0, 1]] * 4 + [[0, 0]] * 8, dtype=torch.int32)  # expert 0: 20 slots, expert 1: 4
@@ -58,8 +58,8 @@ def test_gather_gemm_activation_gemm_give_the_specs_product(spec):
     alignment = tuple(t.to(DEVICE) for t in moe_align_block_size(ids, TILE.block_m, experts))
     blocks = alignment[1].shape[0]
     picks = torch.full((blocks * TILE.sub_blocks,), 7, dtype=torch.int32, device=DEVICE)
-    stage = torch.full((picks.numel() * (hidden_size // 64) * TILE.block_words(),), -1, dtype=torch.int32,
-                       device=DEVICE)
+    stages = max(hidden_size, intermediate) // 64  # the larger GEMM's K
+    stage = torch.full((picks.numel() * stages * TILE.block_words(),), -1, dtype=torch.int32, device=DEVICE)
     gate_up = torch.full((blocks * TILE.block_m, 2 * intermediate), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     out = torch.full((slots + 1, hidden_size), float("nan"), dtype=torch.bfloat16, device=DEVICE)
 
@@ -137,7 +137,7 @@ def test_piece_of_and_piece_at_follow_the_documented_layout(width):
 
 
 def _tiny_config(quant=QuantScheme("gptq", bits=4, group_size=64), **fields):
-    return MoEConfig(**{**dict(num_experts=2, top_k=2, hidden_size=128, intermediate_size=128), **fields}, quant=quant)
+    return MoEConfig(**{**dict(num_experts=2, top_k=2, hidden_size=128, intermediate_size=64), **fields}, quant=quant)
 
 
 def _as_on_hopper(monkeypatch):
@@ -266,9 +266,9 @@ def test_workspace_sizes_its_buffers_for_the_calls_the_oracle_runs_so(monkeypatc
         parts = align_sizes(slots, config.num_experts, tile.block_m)[1] * tile.sub_blocks
         buffers = workspace.buffers(tokens, select_backend(config, tokens, kernel_spec(config)))
         assert buffers.picks.numel() == parts and buffers.gemm2_out.shape == (slots + 1, 128)
-        assert buffers.stage_blocks.numel() >= parts * 2 * tile.block_words()  # K = 128: two stages
+        assert buffers.stage_blocks.numel() >= parts * 2 * tile.block_words()  # gemm1 K = 128: two stages
     plain = workspace.buffers(80, select_backend(config, 80, kernel_spec(config), specialized=False))
-    assert plain.picks is None and plain.gemm1_out.shape[-2:] == (160, 256)  # slot rows (split or not)
+    assert plain.picks is None and plain.gemm1_out.shape[-2:] == (160, 128)  # slot rows (split or not), 2 I
 
 
 def test_backends_round_trip_through_the_tuned_tables_format():
