@@ -78,8 +78,9 @@ def make_gather_kernel(tile: SpecializedTile, k: int, divisor: int):
             picks[part] = pick
         width = uint32(pick + 1) * uint32(step)
         base = (part * uint32(steps) + stage) * uint32(block_words)
-        # Piece by piece, a warp's stores one 512-byte run (its loads mostly hit the L2): reading
-        # rows whole lines as the activation does lost here (DeepSeek M = 4096: 200 -> 244 us).
+        # In piece order a warp's stores are one 512-byte run, and its loads mostly hit the L2
+        # (each token's row is read top_k times); the activation's row order was slower here
+        # (DeepSeek M = 4096: 200 -> 244 us).
         for p in range(t, uint32(8) * width, uint32(block_m)):
             s, kk = piece_of(uint32(p), width)
             w0 = w1 = w2 = w3 = uint32(0)
