@@ -137,9 +137,9 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         parser.error("it times kernels on a CUDA GPU and none is available here (the warp-specialised GEMM's "
                      "checks run in the simulator: tests/test_specialized.py)")
-    if args.from_slots is not None and args.from_slots < moe.oracle.DECODE_TOKENS_PER_EXPERT:
-        parser.error(f"--from-slots must be at least {moe.oracle.DECODE_TOKENS_PER_EXPERT}, got {args.from_slots}")
     if args.from_slots is not None:
+        if args.from_slots < moe.oracle.DECODE_TOKENS_PER_EXPERT:
+            parser.error(f"--from-slots must be at least {moe.oracle.DECODE_TOKENS_PER_EXPERT}, got {args.from_slots}")
         moe.oracle.specialized_from = lambda config: args.from_slots
     timer = Timer()
     say(torch.cuda.get_device_name())

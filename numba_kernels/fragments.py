@@ -87,7 +87,8 @@ COPY_OFFSET_LIMIT = 0xFFFFFFFF  # elements: offsets stay below the sentinel
 
 
 def copy_offsets_fit(*arrays) -> bool:
-    """Whether every array is small enough for the prefill copies' 32-bit offsets."""
+    """Whether every array is small enough for 32-bit element offsets (the prefill copies',
+    the stage-block kernels')."""
     return all(array.numel() <= COPY_OFFSET_LIMIT for array in arrays)
 
 

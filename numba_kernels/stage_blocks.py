@@ -27,6 +27,7 @@ from numba import cuda, int32, uint32
 from . import interop, ptx
 from .activation import Activation, _pointwise
 from .align import check_alignment_arrays
+from .fragments import copy_offsets_fit
 from .gemm_specialized import STEP_K, SpecializedTile, check_picks, check_stage_blocks
 from .launch import launch_kernel
 
@@ -155,6 +156,14 @@ def make_activate_kernel(tile: SpecializedTile, width_in: int, activation: Activ
     return activate
 
 
+def check_offsets(**words) -> None:
+    """The kernels address these int32 arrays by 32-bit element offsets: each must fit."""
+    too_large = [name for name, array in words.items() if not copy_offsets_fit(array)]
+    if too_large:
+        raise ValueError(f"{' and '.join(too_large)} must each hold fewer than 2**32 32-bit words (the stage-block "
+                         f"kernels use 32-bit offsets): split the batch")
+
+
 def gather_blocks(source, alignment: tuple, num_slots: int, divisor: int, tile: SpecializedTile, picks,
                   blocks) -> None:
     """Stage blocks of `source` (tokens, K) halves for the alignment (sorted_token_ids,
@@ -172,6 +181,7 @@ def gather_blocks(source, alignment: tuple, num_slots: int, divisor: int, tile: 
     sorted_ids, expert_ids, post_padded = check_alignment_arrays(*alignment, tile.block_m)
     picks = check_picks(picks, expert_ids.shape[0], tile)
     blocks = check_stage_blocks("blocks", blocks, picks.shape[0], k, tile)
+    check_offsets(source=source.view(torch.int32), blocks=blocks)
     kernel = make_gather_kernel(tile, k, divisor)
     launch_kernel(kernel, (picks.shape[0], k // STEP_K), tile.block_m, interop.to_kernel(source.view(torch.int32)),
                   interop.to_kernel(sorted_ids), interop.to_kernel(expert_ids), interop.to_kernel(post_padded),
@@ -193,6 +203,7 @@ def activate_blocks(gate_up, activation: Activation, tile: SpecializedTile, pick
                          f"multiple of {STEP_K}, got {tuple(gate_up.shape)}")
     picks = check_picks(picks, rows // tile.block_m, tile)
     blocks = check_stage_blocks("blocks", blocks, picks.shape[0], k, tile)
+    check_offsets(gate_up=gate_up.view(torch.int32), blocks=blocks)
     kernel = make_activate_kernel(tile, width_in, activation, interop.HALF_NAMES[gate_up.dtype])
     launch_kernel(kernel, picks.shape[0] * (k // STEP_K), tile.block_m, interop.to_kernel(gate_up.view(torch.int32)),
                   interop.to_kernel(picks), interop.to_kernel(blocks))

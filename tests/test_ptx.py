@@ -193,6 +193,7 @@ def test_sixteen_byte_stores_write_four_words_and_nothing_else(dtype):
     np.testing.assert_array_equal(out.view(np.int32).reshape(-1)[:32], words.reshape(-1))
     assert (out.view(np.int32).reshape(-1)[32:] == 7).all()
 
+
 def test_only_the_weight_readers_load_through_the_read_only_path():
     """`ptx.load_words` (ld.global.nc) promises ptxas that nothing writes the array while
     the kernel runs, so ptxas may issue its loads before `wait_for_previous`: gemm2 once

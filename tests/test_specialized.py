@@ -13,6 +13,7 @@ from fusing import SeparateReductions
 from ranks import rank_layers
 
 import moe.oracle
+import numba_kernels.fragments
 from layouts import formats
 from layouts.samples import random_quantized
 from moe import MoEConfig, MoELayer, QuantScheme, Workspace
@@ -134,6 +135,22 @@ def test_piece_of_and_piece_at_follow_the_documented_layout(width):
         slot, k = documented_piece(p, width)
         assert tuple(int(v) for v in piece_of(u32(p), u32(width))) == (slot, k), p
         assert int(piece_at(u32(slot), u32(k), u32(width))) == p, p
+
+
+def test_stage_block_kernels_refuse_arrays_past_32_bit_offsets(monkeypatch):
+    """Both kernels address their arrays by 32-bit offsets: an array past them fails by name
+    (the limit lowered here: a real one would take 16 GB)."""
+    hidden = torch.zeros(4, 128, dtype=torch.bfloat16, device=DEVICE)
+    alignment = tuple(t.to(DEVICE) for t in moe_align_block_size(torch.tensor([[0, 1]] * 4, dtype=torch.int32),
+                                                                  TILE.block_m, 2))
+    picks = torch.zeros(alignment[1].shape[0] * TILE.sub_blocks, dtype=torch.int32, device=DEVICE)
+    stage = torch.zeros(picks.numel() * 2 * TILE.block_words(), dtype=torch.int32, device=DEVICE)
+    gate_up = torch.zeros(alignment[1].shape[0] * TILE.block_m, 256, dtype=torch.bfloat16, device=DEVICE)
+    monkeypatch.setattr(numba_kernels.fragments, "COPY_OFFSET_LIMIT", hidden.numel() // 2 - 1)
+    with pytest.raises(ValueError, match="source and blocks must each hold fewer than 2\\*\\*32"):
+        gather_blocks(hidden, alignment, 8, 2, TILE, picks, stage)
+    with pytest.raises(ValueError, match="gate_up and blocks must each hold fewer than 2\\*\\*32"):
+        activate_blocks(gate_up, Activation("silu"), TILE, picks, stage)
 
 
 def _tiny_config(quant=QuantScheme("gptq", bits=4, group_size=64), **fields):
