@@ -35,7 +35,8 @@ from moe import MoEConfig, MoELayer
 from moe.weights import kernel_spec
 from numba_kernels.gemm_specialized import SpecializedTile
 
-OWN_TILES = moe.oracle.SPECIALIZED_TILE, moe.oracle.WIDE_SPECIALIZED_TILE, moe.oracle.WIDEST_SPECIALIZED_TILE
+OWN_TILES = (moe.oracle.NARROW_SPECIALIZED_TILE, moe.oracle.SPECIALIZED_TILE, moe.oracle.WIDE_SPECIALIZED_TILE,
+             moe.oracle.WIDEST_SPECIALIZED_TILE)
 OWN = "the oracle's"
 START = time.monotonic()
 
@@ -51,7 +52,7 @@ def choose(tile: SpecializedTile | str | None) -> None:
     `tile` whatever the token count, or (None) not at all."""
     moe.oracle.USE_SPECIALIZED = tile is not None
     forced = isinstance(tile, SpecializedTile)
-    (moe.oracle.SPECIALIZED_TILE, moe.oracle.WIDE_SPECIALIZED_TILE,
+    (moe.oracle.NARROW_SPECIALIZED_TILE, moe.oracle.SPECIALIZED_TILE, moe.oracle.WIDE_SPECIALIZED_TILE,
      moe.oracle.WIDEST_SPECIALIZED_TILE) = (tile,) * len(OWN_TILES) if forced else OWN_TILES
 
 
@@ -61,9 +62,14 @@ def time_way(timer, layer, hidden, logits, topk_weights, topk_ids) -> tuple[floa
     return gemm_ms * 1e3, layer_ms * 1e3
 
 
-def run_job(timer, job: str, rounds: int, variant: dict[str, int], with_tiles: bool) -> None:
+def job_config(job: str) -> tuple[MoEConfig, int]:
+    """(the layer's config, M) of a job."""
     shape, format_name, tokens = parse_job(job)
-    config = MoEConfig(**SHAPES[shape], quant=FORMATS[format_name])
+    return MoEConfig(**SHAPES[shape], quant=FORMATS[format_name]), tokens
+
+
+def run_job(timer, job: str, rounds: int, variant: dict[str, int], with_tiles: bool) -> None:
+    config, tokens = job_config(job)
     changed = attrs.evolve(moe.oracle.specialized_tile(config, tokens), **variant)
     ways = {"warp-specialised": OWN, **({f"variant {changed}": changed} if variant else {}),
             **({"tiles": None} if with_tiles else {})}
@@ -100,11 +106,12 @@ def run_job(timer, job: str, rounds: int, variant: dict[str, int], with_tiles: b
     torch.cuda.empty_cache()
 
 
-def parse_variant(fields: list[str]) -> dict[str, int]:
-    """`--variant`'s KEY=VALUE fields, checked as changes to each of the oracle's tiles."""
+def parse_variant(fields: list[str], tiles) -> dict[str, int]:
+    """`--variant`'s KEY=VALUE fields, checked as changes to each of `tiles` (those the jobs
+    take: a variant of the tile of blocks of 128, say, need not fit the widest's steps)."""
     try:
         variant = {key: int(value) for key, value in (f.split("=") for f in fields)}
-        for tile in OWN_TILES:
+        for tile in tiles:
             attrs.evolve(tile, **variant)
         return variant
     except (TypeError, ValueError) as error:
@@ -131,7 +138,8 @@ def main(argv=None) -> None:
         if shape not in SHAPES or format_name not in FORMATS:
             parser.error(f"--jobs: {job!r} names no shape of {list(SHAPES)} or no format of {list(FORMATS)}")
     try:
-        variant = parse_variant(args.variant) if args.variant else {}
+        tiles = {moe.oracle.specialized_tile(*job_config(job)) for job in args.jobs}
+        variant = parse_variant(args.variant, tiles) if args.variant else {}
     except argparse.ArgumentTypeError as error:
         parser.error(str(error))
     if not torch.cuda.is_available():

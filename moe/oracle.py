@@ -214,14 +214,25 @@ against 3069. At 8 slots the tiles won (Mixtral 297 against 257, DeepSeek 2220 a
 173)."""
 USE_SPECIALIZED = os.environ.get("NUMBA_MOE_SPECIALIZED", "1") != "0"
 """NUMBA_MOE_SPECIALIZED=0: never the warp-specialised GEMM (what it buys, side by side)."""
+NARROW_SPECIALIZED_TILE = SpecializedTile(block_m=64, max_width=64)
+"""The warp-specialised GEMM up to NARROW_TOKENS_PER_EXPERT slots an expert: blocks of 64
+slots, one part each, so that an expert's block is not padded to 128 slots whose second
+part's CTAs (half the grid) find nothing to do (module constants, so that
+`benchmarks/specialized_ab.py` can time others)."""
+NARROW_TOKENS_PER_EXPERT = 32
+"""Expected slots an expert up to which the warp-specialised GEMM takes
+NARROW_SPECIALIZED_TILE: at 32 the fullest expert stays within one block of 64 (random
+routings: Mixtral M = 128 the fullest of 8 about 40, DeepSeek M = 1024 of 256 about 48). On the H200 (eighty-first session of
+benchmarks/LOG.md, the layer's GEMMs against SPECIALIZED_TILE, us, outputs bit-identical):
+Mixtral w4a16 at 16 an expert 289 against 312, at 32 325 against 340; Mixtral NVFP4 at 16
+322 against 323; DeepSeek at 32 (both formats) within the rounds' spread."""
 SPECIALIZED_TILE = SpecializedTile()
-"""The warp-specialised GEMM up to 80 slots an expert: an expert's slots one part, a
-launch bound of two CTAs an SM (module constants, so that `benchmarks/specialized_ab.py`
-can time others)."""
+"""Beyond, up to 80 slots an expert: an expert's slots one part of a block of 128, a
+launch bound of two CTAs an SM."""
 WIDE_SPECIALIZED_TILE = SpecializedTile(max_width=128)
 """Beyond, up to 128 slots an expert: parts of 128 slots under a launch bound of one CTA an
 SM (for the registers, `SpecializedTile.min_ctas_per_sm`), so an expert's weights are
-decoded once for every 128 slots rather than every 64 (the narrow tile's blocks of 128 are
+decoded once for every 128 slots rather than every 64 (SPECIALIZED_TILE's blocks of 128 are
 two parts). Mixtral M = 4096 on the H200 (seventy-fifth session): 6177 us against 7055
 with SPECIALIZED_TILE."""
 WIDEST_SPECIALIZED_TILE = SpecializedTile(block_m=256, max_width=256, width_step=32)
@@ -236,10 +247,13 @@ DeepSeek 6881 against 7964, Mixtral 5206 against 6445 (seventy-eighth)."""
 
 
 def specialized_tile(config: MoEConfig, num_tokens: int) -> SpecializedTile:
-    """The warp-specialised GEMM's tile at `num_tokens` tokens: SPECIALIZED_TILE while an
-    expert's expected slots fit one of its parts, WIDE_SPECIALIZED_TILE while they stay
-    under 128, else WIDEST_SPECIALIZED_TILE."""
+    """The warp-specialised GEMM's tile at `num_tokens` tokens: NARROW_SPECIALIZED_TILE up
+    to NARROW_TOKENS_PER_EXPERT expected slots an expert, SPECIALIZED_TILE while they fit
+    one of its parts, WIDE_SPECIALIZED_TILE while they stay under 128, else
+    WIDEST_SPECIALIZED_TILE."""
     per_expert = slots_per_expert(config, num_tokens)
+    if per_expert <= NARROW_TOKENS_PER_EXPERT:
+        return NARROW_SPECIALIZED_TILE
     if per_expert <= SPECIALIZED_TILE.max_width:
         return SPECIALIZED_TILE
     return WIDE_SPECIALIZED_TILE if per_expert < WIDE_SPECIALIZED_TILE.max_width else WIDEST_SPECIALIZED_TILE

@@ -2,6 +2,7 @@
 they import that moved (read_patterns once imported a helper that had left bench_moe)
 would otherwise surface there, costing device time."""
 
+import argparse
 import importlib
 import pathlib
 import sys
@@ -106,12 +107,16 @@ def test_a_timing_script_without_a_gpu_says_it_needs_one(name, argv, monkeypatch
 @pytest.mark.parametrize("fields, says", [(["a_buffers=3"], "unexpected keyword argument 'a_buffers'"),
                                           (["stages=1"], "stages in [2, 7]"), (["stages"], "KEY=INT")])
 def test_specialized_ab_names_a_bad_variant(fields, says, monkeypatch, capsys):
-    """`--variant` takes SpecializedTile fields as KEY=INT; anything else fails by name,
-    before any GPU is looked for."""
+    """`--variant` takes SpecializedTile fields as KEY=INT, checked against the tiles the jobs
+    take; anything else fails by name, before any GPU is looked for."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     try:
         ab = importlib.import_module("specialized_ab")
-        assert ab.parse_variant(["stages=3", "max_width=64"]) == {"stages": 3, "max_width": 64}
+        oracle = ab.moe.oracle
+        assert ab.parse_variant(["stages=3", "max_width=64"], ab.OWN_TILES) == {"stages": 3, "max_width": 64}
+        assert ab.parse_variant(["block_m=128", "max_width=80"], [oracle.NARROW_SPECIALIZED_TILE])  # 16 divides 80
+        with pytest.raises(argparse.ArgumentTypeError, match="width_step must be a multiple of 8 dividing"):
+            ab.parse_variant(["block_m=128", "max_width=80"], [oracle.WIDEST_SPECIALIZED_TILE])  # 32 does not
         with pytest.raises(SystemExit):
             ab.main(["--variant", *fields])
     finally:

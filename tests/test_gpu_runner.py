@@ -356,12 +356,12 @@ def test_prefill_gemm1_finishing_the_activation_equals_the_separate_kernels(shap
 @pytest.mark.parametrize("quant", [QuantScheme("gptq", group_size=128),
                                    QuantScheme("gptq", group_size=128, symmetric=False),
                                    QuantScheme("nvfp4", nvfp4_checkpoint="modelopt")], ids=["int4", "zeros", "nvfp4"])
-@pytest.mark.parametrize("tokens", [256, 1024])
+@pytest.mark.parametrize("tokens", [128, 256, 1024])
 def test_warp_specialised_layer_matches_the_reference(quant, tokens, monkeypatch):
-    """At 64 slots an expert on Hopper the oracle takes the warp-specialised GEMM (each block's
-    part at the width its count needs), at 256 its widest tile
-    (parts of up to 256 slots, a launch bound of one CTA an SM; zero points too, though
-    they spill): the layer equals its float64 definition, a replay (new inputs) gives what the
+    """At 32 slots an expert on Hopper the oracle takes the warp-specialised GEMM on blocks of
+    64, at 64 on blocks of 128 (each block's part at the width its count needs), at 256 its
+    widest tile (parts of up to 256 slots, a launch bound of one CTA an SM; zero points too,
+    though they spill): the layer equals its float64 definition, a replay (new inputs) gives what the
     tiles give, and the same bits every time (with the wait for the last wgmma after the
     main loop, ptxas read the accumulators before it, and a run missed the last stage at
     random)."""

@@ -239,11 +239,12 @@ def test_oracle_takes_it_only_where_device_slots_and_layout_allow(monkeypatch):
     assert select_backend(config, 36, spec).specialized is None  # the simulator is no Hopper
     _as_on_hopper(monkeypatch)
     low = moe.oracle.SPECIALIZED_TOKENS_PER_EXPERT
-    assert select_backend(config, low, spec).specialized == moe.oracle.SPECIALIZED_TILE
+    assert select_backend(config, low, spec).specialized == moe.oracle.NARROW_SPECIALIZED_TILE  # blocks of 64
     assert select_backend(config, low - 1, spec).specialized is None  # too few slots an expert
     large = _tiny_config(hidden_size=1024, intermediate_size=4096)  # 12.6 M weights an expert
-    assert select_backend(large, 16, kernel_spec(large)).specialized == moe.oracle.SPECIALIZED_TILE
+    assert select_backend(large, 16, kernel_spec(large)).specialized == moe.oracle.NARROW_SPECIALIZED_TILE
     assert select_backend(large, 15, kernel_spec(large)).specialized is None  # the decode tiles' regime
+    assert select_backend(config, 33, spec).specialized == moe.oracle.SPECIALIZED_TILE  # past 32: blocks of 128
     assert select_backend(config, 80, spec).specialized == moe.oracle.SPECIALIZED_TILE  # a part of a block each
     assert select_backend(config, 81, spec).specialized == moe.oracle.WIDE_SPECIALIZED_TILE  # more: parts of 128
     assert select_backend(config, 127, spec).specialized == moe.oracle.WIDE_SPECIALIZED_TILE
@@ -269,16 +270,18 @@ def test_oracle_takes_it_only_where_device_slots_and_layout_allow(monkeypatch):
 
 def test_workspace_sizes_its_buffers_for_the_calls_the_oracle_runs_so(monkeypatch):
     """The stage blocks and the parts' widths fit the most slots a call the oracle runs
-    warp-specialised can have: up to 80 an expert on the narrow tile, under 128 on the wide
-    one, every slot of max_tokens on the widest."""
+    warp-specialised can have: up to 64 an expert on the narrow tile (taken up to 32), 80 on
+    the tile of blocks of 128, under 128 on the wide one, every slot of max_tokens on the
+    widest."""
     _as_on_hopper(monkeypatch)
     config = _tiny_config()
+    assert moe.oracle.specialized_slots(config, 4096, moe.oracle.NARROW_SPECIALIZED_TILE) == 128  # 64 an expert
     assert moe.oracle.specialized_slots(config, 4096, moe.oracle.SPECIALIZED_TILE) == 160  # 80 an expert, of 8192
     assert moe.oracle.specialized_slots(config, 4096, moe.oracle.WIDE_SPECIALIZED_TILE) == 256  # 128 an expert
     assert moe.oracle.specialized_slots(config, 4096, moe.oracle.WIDEST_SPECIALIZED_TILE) == 8192
     workspace = Workspace(config, 4096, kernel_spec(config))
-    for tokens, tile in ((80, moe.oracle.SPECIALIZED_TILE), (100, moe.oracle.WIDE_SPECIALIZED_TILE),
-                         (4096, moe.oracle.WIDEST_SPECIALIZED_TILE)):
+    for tokens, tile in ((32, moe.oracle.NARROW_SPECIALIZED_TILE), (80, moe.oracle.SPECIALIZED_TILE),
+                         (100, moe.oracle.WIDE_SPECIALIZED_TILE), (4096, moe.oracle.WIDEST_SPECIALIZED_TILE)):
         slots = tokens * config.top_k
         parts = align_sizes(slots, config.num_experts, tile.block_m)[1] * tile.sub_blocks
         buffers = workspace.buffers(tokens, select_backend(config, tokens, kernel_spec(config)))

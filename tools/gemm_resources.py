@@ -22,7 +22,7 @@ alignment (plain `LDG.E`, under the other predicate) belong; an activation load 
 would read it unfinished (the sixty-first session's race). A listing to read beside the
 SASS, not a verdict: it does not follow branches (a plain `LDG.E` without a predicate may
 sit in a block only later CTAs run). With `--specialized`, the warp-specialised GEMM
-(`gemm_specialized`, the oracle's two tiles) at Mixtral's two GEMMs: its HGMMA, its waits for all but the newest
+(`gemm_specialized`, the oracle's tiles) at Mixtral's two GEMMs: its HGMMA, its waits for all but the newest
 group (the main loop, pipelined) and for all groups, and the reads of accumulators
 (F2FP, FMUL) that the SASS places after an HGMMA but before a wait for all groups; that
 count must be 0 (the seventy-second session found ptxas had moved the stores' reads above
@@ -43,8 +43,8 @@ from .ptx_check import compile_kernel, sass  # first: numba_kernels would pick t
 
 from layouts import QuantSpec, formats  # noqa: E402
 from layouts.samples import random_quantized  # noqa: E402
-from moe.oracle import (DECODE_TILE, PREFILL_TILE, SPECIALIZED_TILE, SWAPPED_DECODE_TILE,  # noqa: E402
-                        WIDE_SPECIALIZED_TILE, WIDEST_SPECIALIZED_TILE, writes_partials)
+from moe.oracle import (DECODE_TILE, NARROW_SPECIALIZED_TILE, PREFILL_TILE, SPECIALIZED_TILE,  # noqa: E402
+                        SWAPPED_DECODE_TILE, WIDE_SPECIALIZED_TILE, WIDEST_SPECIALIZED_TILE, writes_partials)
 from numba_kernels.activation import Activation  # noqa: E402
 from numba_kernels.epilogue import activation_kind, combine_kind  # noqa: E402
 from numba_kernels.gemm import GemmTile, make_grouped_gemm, stores_pairs  # noqa: E402
@@ -173,7 +173,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.specialized:
         for spec, tile in itertools.product((formats.native(4, 128), formats.native(fp4=True)),
-                                            (SPECIALIZED_TILE, WIDE_SPECIALIZED_TILE, WIDEST_SPECIALIZED_TILE)):
+                                            (NARROW_SPECIALIZED_TILE, SPECIALIZED_TILE, WIDE_SPECIALIZED_TILE,
+                                             WIDEST_SPECIALIZED_TILE)):
             for name, n, k, blocked in (("gemm1", 28672, 4096, True), ("gemm2", 4096, 14336, False)):
                 print(f"{spec.name:12s} {tile.max_width} wide {name} (N={n}, K={k}): "
                       f"{specialized_waits(spec, n, k, tile, blocked)}", flush=True)
