@@ -222,10 +222,11 @@ part's CTAs (half the grid) find nothing to do (module constants, so that
 NARROW_TOKENS_PER_EXPERT = 32
 """Expected slots an expert up to which the warp-specialised GEMM takes
 NARROW_SPECIALIZED_TILE: at 32 the fullest expert stays within one block of 64 (random
-routings: Mixtral M = 128 the fullest of 8 about 40, DeepSeek M = 1024 of 256 about 48). On the H200 (eighty-first session of
-benchmarks/LOG.md, the layer's GEMMs against SPECIALIZED_TILE, us, outputs bit-identical):
-Mixtral w4a16 at 16 an expert 289 against 312, at 32 325 against 340; Mixtral NVFP4 at 16
-322 against 323; DeepSeek at 32 (both formats) within the rounds' spread."""
+routings: Mixtral M = 128 the fullest of 8 about 40, DeepSeek M = 1024 of 256 about 48).
+On the H200 (eighty-first session of benchmarks/LOG.md, the layer's GEMMs against
+SPECIALIZED_TILE, us, outputs bit-identical): Mixtral w4a16 at 16 an expert 289 against
+312, at 32 325 against 340; Mixtral NVFP4 at 16 322 against 323; DeepSeek at 32 (both
+formats) within the rounds' spread."""
 SPECIALIZED_TILE = SpecializedTile()
 """Beyond, up to 80 slots an expert: an expert's slots one part of a block of 128, a
 launch bound of two CTAs an SM."""

@@ -361,10 +361,10 @@ def test_warp_specialised_layer_matches_the_reference(quant, tokens, monkeypatch
     """At 32 slots an expert on Hopper the oracle takes the warp-specialised GEMM on blocks of
     64, at 64 on blocks of 128 (each block's part at the width its count needs), at 256 its
     widest tile (parts of up to 256 slots, a launch bound of one CTA an SM; zero points too,
-    though they spill): the layer equals its float64 definition, a replay (new inputs) gives what the
-    tiles give, and the same bits every time (with the wait for the last wgmma after the
-    main loop, ptxas read the accumulators before it, and a run missed the last stage at
-    random)."""
+    though they spill): the layer equals its float64 definition, a replay (new inputs) gives
+    what the tiles give, and the same bits every time (with the wait for the last wgmma
+    after the main loop, ptxas read the accumulators before it, and a run missed the last
+    stage at random)."""
     config = MoEConfig(num_experts=8, top_k=2, hidden_size=1024, intermediate_size=512, quant=quant)
     backend = select_backend(config, tokens, kernel_spec(config))
     if backend.specialized is None:

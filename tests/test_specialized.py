@@ -163,19 +163,20 @@ def _as_on_hopper(monkeypatch):
 
 
 def test_layer_takes_the_warp_specialised_gemm_on_hopper_and_replays_it(monkeypatch):
-    """36 tokens over two experts (36 slots an expert): on sm_90 the oracle takes the
-    warp-specialised GEMM, the layer equals its float64 definition, a replay with new
-    inputs too, and a call with hooks takes the tiles (they see slot-ordered outputs)."""
+    """32 tokens over two experts (32 slots an expert): on sm_90 the oracle takes the
+    warp-specialised GEMM on blocks of 64, the layer equals its float64 definition, a replay
+    with new inputs too, and a call with hooks takes the tiles (they see slot-ordered
+    outputs). (Blocks of 128 in two parts: the expert-parallel test below.)"""
     _as_on_hopper(monkeypatch)
     config = _tiny_config()
-    assert select_backend(config, 36, kernel_spec(config)).specialized == SpecializedTile()
+    assert select_backend(config, 32, kernel_spec(config)).specialized == moe.oracle.NARROW_SPECIALIZED_TILE
     checkpoint = random_checkpoint(config, np.random.default_rng(0))
-    layer = MoELayer(config, max_tokens=36)
+    layer = MoELayer(config, max_tokens=32)
     layer.load_weights(checkpoint.w1, checkpoint.w2, checkpoint.w3)
     rng = np.random.default_rng(1)
     for _ in range(2):  # recorded, then replayed on new inputs
-        hidden = torch.from_numpy(rng.standard_normal((36, 128))).to(torch.bfloat16)
-        logits = torch.from_numpy(rng.standard_normal((36, 2)).astype(np.float32))
+        hidden = torch.from_numpy(rng.standard_normal((32, 128))).to(torch.bfloat16)
+        logits = torch.from_numpy(rng.standard_normal((32, 2)).astype(np.float32))
         expected = reference_moe(config, hidden.float().numpy(), checkpoint.dense_w13, checkpoint.dense_w2,
                                  router_logits=logits.numpy())
         out = layer(hidden.to(DEVICE), logits.to(DEVICE)).float().cpu().numpy()
@@ -338,14 +339,14 @@ def test_the_tuner_times_it_and_the_oracle_takes_what_it_measured(tmp_path, monk
         return 1.0 if isinstance(subject, Backend) and subject.specialized else 2.0
 
     try:
-        best = tune(config, [36], measure=measure, candidates=lambda tokens, config, k: [tile], progress=False,
+        best = tune(config, [32], measure=measure, candidates=lambda tokens, config, k: [tile], progress=False,
                     routings=1)
-        assert best[36] == moe.oracle.warp_specialised(moe.oracle.SPECIALIZED_TILE)
-        assert (best[36], 6) in timed  # alignment, gather, gemm1, activation, gemm2, combine
+        assert best[32] == moe.oracle.warp_specialised(moe.oracle.NARROW_SPECIALIZED_TILE)
+        assert (best[32], 6) in timed  # alignment, gather, gemm1, activation, gemm2, combine
         save(config, best)
         spec = kernel_spec(config)
-        assert select_backend(config, 36, spec) == best[36]
-        assert select_backend(config, 36, spec, specialized=False).specialized is None
+        assert select_backend(config, 32, spec) == best[32]
+        assert select_backend(config, 32, spec, specialized=False).specialized is None
         wide = select_backend(config, 100, spec)  # 100 slots an expert, in the entry's reach: the wide tile
         assert wide == moe.oracle.warp_specialised(moe.oracle.WIDE_SPECIALIZED_TILE)
         assert not moe.oracle.specialized_candidate(config, 15, spec)  # under 16 an expert: the decode tiles' regime
