@@ -35,8 +35,8 @@ from moe import MoEConfig, MoELayer
 from moe.weights import kernel_spec
 from numba_kernels.gemm_specialized import SpecializedTile
 
-OWN_TILES = (moe.oracle.NARROW_SPECIALIZED_TILE, moe.oracle.SPECIALIZED_TILE, moe.oracle.WIDE_SPECIALIZED_TILE,
-             moe.oracle.WIDEST_SPECIALIZED_TILE)
+TILE_NAMES = "NARROW_SPECIALIZED_TILE", "SPECIALIZED_TILE", "WIDE_SPECIALIZED_TILE", "WIDEST_SPECIALIZED_TILE"
+OWN_TILES = tuple(getattr(moe.oracle, name) for name in TILE_NAMES)  # the oracle's, by token count
 OWN = "the oracle's"
 START = time.monotonic()
 
@@ -52,8 +52,8 @@ def choose(tile: SpecializedTile | str | None) -> None:
     `tile` whatever the token count, or (None) not at all."""
     moe.oracle.USE_SPECIALIZED = tile is not None
     forced = isinstance(tile, SpecializedTile)
-    (moe.oracle.NARROW_SPECIALIZED_TILE, moe.oracle.SPECIALIZED_TILE, moe.oracle.WIDE_SPECIALIZED_TILE,
-     moe.oracle.WIDEST_SPECIALIZED_TILE) = (tile,) * len(OWN_TILES) if forced else OWN_TILES
+    for name, own in zip(TILE_NAMES, OWN_TILES):
+        setattr(moe.oracle, name, tile if forced else own)
 
 
 def time_way(timer, layer, hidden, logits, topk_weights, topk_ids) -> tuple[float, float]:
