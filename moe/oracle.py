@@ -211,7 +211,9 @@ layer's GEMMs against its tiles, us, w4a16 / NVFP4): Mixtral (176 M weights) at 
 an expert 312 / 323 against 385 / 359, at 12 300 against 320; DeepSeek (44 M) at 16 2381
 against 3069. At 8 slots the tiles won (Mixtral 297 against 257, DeepSeek 2220 against
 2103), and at 16 slots Qwen3's experts (4.7 M) gained nothing (173 / 185 against 173 /
-173)."""
+173); on NARROW_SPECIALIZED_TILE (eighty-second session) w4a16 gains there (148 against
+172) and NVFP4 loses (180 against 172), so the H200's tuned entry takes it for w4a16
+alone."""
 USE_SPECIALIZED = os.environ.get("NUMBA_MOE_SPECIALIZED", "1") != "0"
 """NUMBA_MOE_SPECIALIZED=0: never the warp-specialised GEMM (what it buys, side by side)."""
 NARROW_SPECIALIZED_TILE = SpecializedTile(block_m=64, max_width=64)
@@ -223,10 +225,11 @@ NARROW_TOKENS_PER_EXPERT = 32
 """Expected slots an expert up to which the warp-specialised GEMM takes
 NARROW_SPECIALIZED_TILE: at 32 the fullest expert stays within one block of 64 (random
 routings: Mixtral M = 128 the fullest of 8 about 40, DeepSeek M = 1024 of 256 about 48).
-On the H200 (eighty-first session of benchmarks/LOG.md, the layer's GEMMs against
-SPECIALIZED_TILE, us, outputs bit-identical): Mixtral w4a16 at 16 an expert 289 against
-312, at 32 325 against 340; Mixtral NVFP4 at 16 322 against 323; DeepSeek at 32 (both
-formats) within the rounds' spread."""
+On the H200 (eighty-first and eighty-second sessions of benchmarks/LOG.md, the layer's
+GEMMs against SPECIALIZED_TILE, us, outputs bit-identical): Mixtral w4a16 at 16 an expert
+289 against 312, at 32 325 against 340; Mixtral NVFP4 at 16 322 against 323; DeepSeek
+w4a16 at 16 2054 / 2221 against 2449 / 2423 (two rounds), at 32 (both formats) within the
+rounds' spread; Qwen3 at 32 174 against 196 (w4a16), 207 against 209 (NVFP4)."""
 SPECIALIZED_TILE = SpecializedTile()
 """Beyond, up to 80 slots an expert: an expert's slots one part of a block of 128, a
 launch bound of two CTAs an SM."""
@@ -425,6 +428,20 @@ tuner's default counts are powers of 4); beyond, the heuristic, whose decode or 
 regime follows the token count, rather than a table entry from another regime."""
 
 
+def heuristic_first(config: MoEConfig, spec: QuantSpec, entry: dict, measured: int, num_tokens: int) -> bool:
+    """Whether the untuned choice of the warp-specialised GEMM (`specialized_backend`) comes
+    before a tuned `entry`, measured at `measured` tokens, for a call of `num_tokens`: where
+    the entry was tuned without it among the candidates (no "specialized" key: the tables
+    from before it), and past `measured` where the entry found the tiles faster (null) and
+    the untuned choice agreed at `measured`. The GEMM gains with the slots an expert (each
+    decoded weight serves more of them), so tiles faster at m say little of the counts up to
+    TUNED_REACH * m: on the H200, Qwen3 NVFP4's tiles took 172 against 180 us at 16 slots
+    an expert, 277 against 206 at 32 (eighty-second session of benchmarks/LOG.md)."""
+    if "specialized" not in entry:
+        return True
+    return entry["specialized"] is None and num_tokens > measured and specialized_backend(config, measured, spec) is None
+
+
 def select_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec, *, specialized: bool = True) -> Backend:
     """The backend for `num_tokens` tokens through weights stored as `spec`: the tuned
     entry (`tuned_entries`) for the largest measured token count m <= num_tokens <
@@ -433,14 +450,14 @@ def select_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec, *, speci
     The warp-specialised GEMM only where `specialized` (it reads routed slots: not the
     batched layout's, not a call whose hooks see the GEMMs' rows): as the entry says, at
     the tile the token count takes (`specialized_tile`: what the workspace is sized for),
-    or by `specialized_backend` where no entry was tuned with it as a candidate (its
-    "specialized" key; the tables from before it lack the key)."""
+    or by `specialized_backend` where no entry was tuned with it as a candidate or where
+    `heuristic_first` says so."""
     if num_tokens < 1:
         raise ValueError(f"num_tokens must be positive, got {num_tokens}")
     _, entries = tuned_entries(config, spec)
-    measured = [int(m) for m in entries if int(m) <= num_tokens < TUNED_REACH * int(m)]
-    entry = entries[str(max(measured))] if measured else None
-    if specialized and (entry is None or "specialized" not in entry):
+    measured = max((int(m) for m in entries if int(m) <= num_tokens < TUNED_REACH * int(m)), default=None)
+    entry = None if measured is None else entries[str(measured)]
+    if specialized and (entry is None or heuristic_first(config, spec, entry, measured, num_tokens)):
         chosen = specialized_backend(config, num_tokens, spec)
         if chosen is not None:
             return chosen

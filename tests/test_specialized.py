@@ -354,6 +354,31 @@ def test_the_tuner_times_it_and_the_oracle_takes_what_it_measured(tmp_path, monk
         moe.oracle.tuned_tables.cache_clear()
 
 
+def test_tiles_measured_faster_leave_larger_counts_to_the_untuned_choice(tmp_path, monkeypatch):
+    """An entry that found the tiles faster at its count ("specialized": null) holds there,
+    and past it where the untuned choice agreed at its count only until that choice takes
+    the warp-specialised GEMM (which gains with the slots an expert); where the untuned
+    choice disagreed at the entry's count, the measurement holds over its whole reach."""
+    from moe.tune import save
+
+    monkeypatch.setattr(moe.oracle, "TUNED_DIR", tmp_path)
+    _as_on_hopper(monkeypatch)
+    tiles = Backend(16, GemmTile(block_m=16), GemmTile(block_m=16))
+    small, large = _tiny_config(), _tiny_config(hidden_size=1024, intermediate_size=4096)
+    try:
+        for config in (small, large):
+            save(config, {16: tiles})  # 16 slots an expert: two experts, top 2
+        spec = kernel_spec(small)
+        assert select_backend(small, 16, spec) == tiles
+        assert select_backend(small, 31, spec) == tiles  # the untuned choice takes it from 32 slots an expert
+        assert select_backend(small, 32, spec).specialized == moe.oracle.NARROW_SPECIALIZED_TILE
+        assert select_backend(small, 63, spec).specialized == moe.oracle.SPECIALIZED_TILE
+        assert moe.oracle.specialized_backend(large, 16, kernel_spec(large)) is not None  # large experts: from 16
+        assert all(select_backend(large, m, kernel_spec(large)) == tiles for m in (16, 32, 63))
+    finally:
+        moe.oracle.tuned_tables.cache_clear()
+
+
 def test_bad_arguments_fail_by_name_before_any_kernel():
     spec = formats.native(4, 64)
     weights, _ = _weights(spec, (3, 128, 128), np.random.default_rng(0))
