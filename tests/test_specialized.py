@@ -355,10 +355,10 @@ def test_the_tuner_times_it_and_the_oracle_takes_what_it_measured(tmp_path, monk
 
 
 def test_tiles_measured_faster_leave_larger_counts_to_the_untuned_choice(tmp_path, monkeypatch):
-    """An entry that found the tiles faster at its count ("specialized": null) holds there,
-    and past it where the untuned choice agreed at its count only until that choice takes
-    the warp-specialised GEMM (which gains with the slots an expert); where the untuned
-    choice disagreed at the entry's count, the measurement holds over its whole reach."""
+    """An entry that found the tiles faster at its count ("specialized": null) holds from
+    that count until the untuned choice takes the warp-specialised GEMM (which gains with
+    the slots an expert); where the untuned choice took it at the entry's count already,
+    the measurement holds over the entry's whole reach."""
     from moe.tune import save
 
     monkeypatch.setattr(moe.oracle, "TUNED_DIR", tmp_path)
