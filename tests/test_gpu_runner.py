@@ -14,7 +14,7 @@ from ranks import rank_layers
 
 import moe.oracle
 from moe import BatchedWorkspace, MoEConfig, MoELayer, QuantScheme, batched_moe, fused_moe, select_backend
-from moe.oracle import device_architecture, shape_key, tuned_tables
+from moe.oracle import device_architecture, shape_key, tuned_entries, tuned_tables
 from moe.reference import random_checkpoint, reference_moe
 from moe.tune import tune
 from moe.weights import kernel_spec
@@ -268,17 +268,19 @@ def _config_of(key: str) -> MoEConfig:
 @pytest.mark.parametrize("key,tokens", _tuned_entries())
 def test_tuned_entries_compute_what_the_heuristic_computes(key, tokens, monkeypatch):
     """A tuned entry picks tiles that the shape-generic tests may not have drawn (a K split,
-    a warp count) on the real shape: its layer must agree with the heuristic's. The
-    entries' tiles, that is: the warp-specialised GEMM, which the oracle takes first at
-    prefill counts on Hopper, has tests of its own."""
-    monkeypatch.setattr(moe.oracle, "USE_SPECIALIZED", False)
+    a warp count) on the real shape: its layer must agree with the heuristic's tiles. The
+    warp-specialised GEMM runs only where the entry itself names it: where the oracle takes
+    it without an entry's say (prefill counts on Hopper), it has tests of its own."""
     config = _config_of(key)
+    if tuned_entries(config, kernel_spec(config))[1].get(str(tokens), {}).get("specialized") is None:
+        monkeypatch.setattr(moe.oracle, "USE_SPECIALIZED", False)
     tuned = MoELayer(config, max_tokens=tokens)
     tuned.weights.fill_random(seed=3)
     hidden, logits = _inputs(config, tokens, 5)
     chosen = select_backend(config, tokens, tuned.weights.spec)
     got = tuned(hidden, logits).float()
     monkeypatch.setattr(moe.oracle, "USE_TUNED", False)
+    monkeypatch.setattr(moe.oracle, "USE_SPECIALIZED", False)
     if select_backend(config, tokens, tuned.weights.spec) == chosen:
         pytest.skip("the tuned entry is the heuristic's choice")
     # The same weights through a workspace of its own: a second layer would allocate a
