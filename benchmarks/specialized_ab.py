@@ -35,7 +35,7 @@ from moe import MoEConfig, MoELayer
 from moe.weights import kernel_spec
 from numba_kernels.gemm_specialized import SpecializedTile
 
-TILE_NAMES = "NARROW_SPECIALIZED_TILE", "SPECIALIZED_TILE", "WIDE_SPECIALIZED_TILE", "WIDEST_SPECIALIZED_TILE"
+TILE_NAMES = moe.oracle.SPECIALIZED_TILE_NAMES
 OWN_TILES = tuple(getattr(moe.oracle, name) for name in TILE_NAMES)  # the oracle's, by token count
 OWN = "the oracle's"
 START = time.monotonic()

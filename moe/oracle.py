@@ -248,6 +248,11 @@ seventh session, against WIDE_SPECIALIZED_TILE, outputs bit-identical): DeepSeek
 6102 (widths in steps of 64 there); NVFP4 (seventy-eighth) DeepSeek 6476 against 7844,
 Mixtral 5002 against 6307. Zero points too, though they spill 892 bytes at 256 wide:
 DeepSeek 6881 against 7964, Mixtral 5206 against 6445 (seventy-eighth)."""
+SPECIALIZED_TILE_NAMES = ("NARROW_SPECIALIZED_TILE", "SPECIALIZED_TILE", "WIDE_SPECIALIZED_TILE",
+                          "WIDEST_SPECIALIZED_TILE")
+"""The warp-specialised GEMM's tiles above, narrowest first, by name: the module constants
+that `specialized_tile` reads, for the tools that list them and the benchmark that replaces
+them (`benchmarks/specialized_ab.py`)."""
 
 
 def specialized_tile(config: MoEConfig, num_tokens: int) -> SpecializedTile:

@@ -43,8 +43,8 @@ from .ptx_check import compile_kernel, sass  # first: numba_kernels would pick t
 
 from layouts import QuantSpec, formats  # noqa: E402
 from layouts.samples import random_quantized  # noqa: E402
-from moe.oracle import (DECODE_TILE, NARROW_SPECIALIZED_TILE, PREFILL_TILE, SPECIALIZED_TILE,  # noqa: E402
-                        SWAPPED_DECODE_TILE, WIDE_SPECIALIZED_TILE, WIDEST_SPECIALIZED_TILE, writes_partials)
+import moe.oracle  # noqa: E402
+from moe.oracle import DECODE_TILE, PREFILL_TILE, SWAPPED_DECODE_TILE, writes_partials  # noqa: E402
 from numba_kernels.activation import Activation  # noqa: E402
 from numba_kernels.epilogue import activation_kind, combine_kind  # noqa: E402
 from numba_kernels.gemm import GemmTile, make_grouped_gemm, stores_pairs  # noqa: E402
@@ -172,9 +172,8 @@ def main(argv=None) -> None:
                        help="the warp-specialised GEMM's wgmma waits in its SASS (needs nvdisasm)")
     args = parser.parse_args(argv)
     if args.specialized:
-        for spec, tile in itertools.product((formats.native(4, 128), formats.native(fp4=True)),
-                                            (NARROW_SPECIALIZED_TILE, SPECIALIZED_TILE, WIDE_SPECIALIZED_TILE,
-                                             WIDEST_SPECIALIZED_TILE)):
+        tiles = [getattr(moe.oracle, name) for name in moe.oracle.SPECIALIZED_TILE_NAMES]
+        for spec, tile in itertools.product((formats.native(4, 128), formats.native(fp4=True)), tiles):
             for name, n, k, blocked in (("gemm1", 28672, 4096, True), ("gemm2", 4096, 14336, False)):
                 print(f"{spec.name:12s} {tile.max_width} wide {name} (N={n}, K={k}): "
                       f"{specialized_waits(spec, n, k, tile, blocked)}", flush=True)
