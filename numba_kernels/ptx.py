@@ -146,6 +146,8 @@ from numba import config, cuda, float32, int32, int64, types, uint32
 from . import lean_compile, twins
 
 SIMULATED = bool(config.ENABLE_CUDASIM)
+if SIMULATED:
+    twins.share_block_arrays()
 
 HALF_TYPES = ("bfloat16", "float16")
 
