@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Refine tuned entries in a private copy of the tree, then time them against the tree
-# before, side by side; the refined table comes back as $OUT/<device>_<name>.json, to be
-# merged by hand where the side-by-side figures agree with the refine. Run on the device
+# before, side by side; the refined table comes back as $OUT/<device>_<name>.json, its
+# entries taken job by job where the side-by-side figures agree with the refine
+# (benchmarks/take_entries.py REFINED TABLE JOB...). Run on the device
 # machine from the repository root (several at once, one card each: benchmarks/per_gpu.sh):
 #   bash benchmarks/refine_side_by_side.sh NAME "TUNE ARGS[;TUNE ARGS...]" JOB [JOB...]
 # e.g.

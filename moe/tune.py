@@ -46,6 +46,7 @@ import itertools
 import json
 import statistics
 import sys
+from pathlib import Path
 from typing import Callable, Iterable
 
 import attrs
@@ -391,13 +392,19 @@ def save(config: MoEConfig, backends: dict[int, Backend], device: str | None = N
     """Merge `backends` into this device's tuned table (or `device`'s, of this device's
     architecture); returns the file written."""
     path = tuned_path(device_architecture(), device or device_name())
+    write_entries(path, shape_key(config, kernel_spec(config)), {m: backend_to_dict(b) for m, b in backends.items()})
+    return str(path)
+
+
+def write_entries(path: Path, key: str, entries: dict[int, dict]) -> None:
+    """Merge `entries` ({num_tokens: backend dict}) into the table at `path` under the shape
+    `key`, in the one form every table is written in (a refined entry taken by hand too:
+    `benchmarks/take_entries.py`)."""
     table = json.loads(path.read_text()) if path.exists() else {}
-    entries = table.setdefault(shape_key(config, kernel_spec(config)), {})
-    entries.update({str(m): backend_to_dict(b) for m, b in backends.items()})
+    table.setdefault(key, {}).update({str(m): entry for m, entry in entries.items()})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     tuned_tables.cache_clear()
-    return str(path)
 
 
 def main(argv=None) -> None:

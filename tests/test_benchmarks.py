@@ -4,6 +4,7 @@ would otherwise surface there, costing device time."""
 
 import argparse
 import importlib
+import json
 import pathlib
 import sys
 
@@ -180,3 +181,39 @@ def test_stage_blocks_rates_names_a_job_it_cannot_build(job, monkeypatch, capsys
     finally:
         sys.modules.pop("stage_blocks_rates", None)
     assert "a job is shape:tokens with a shape of" in capsys.readouterr().err
+
+
+def test_take_entries_takes_a_jobs_entry_and_says_what_it_changes(tmp_path, monkeypatch, capsys):
+    """take_entries.py copies the named jobs' entries of a refined table, and only those;
+    a key the older entry lacks reads as its default (not a change), except "specialized",
+    whose missing key and null differ; a job the refined table lacks fails by name."""
+    from moe.oracle import backend_to_dict, heuristic_backend
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    try:
+        take = importlib.import_module("take_entries")
+        key, _ = take.job_key("qwen3:nvfp4:16")
+        old = backend_to_dict(heuristic_backend(take.MoEConfig(**take.SHAPES["qwen3"], quant=take.FORMATS["nvfp4"]), 16))
+        del old["specialized"], old["gemm1"]["release_early"]  # a table from before those keys
+        new = json.loads(json.dumps(old))
+        new["gemm2"]["split_k"] = old["gemm2"]["split_k"] * 2
+        new["gemm1"]["release_early"], new["specialized"] = False, None
+        table, refined = tmp_path / "table.json", tmp_path / "refined.json"
+        table.write_text(json.dumps({key: {"16": old, "64": old}}))
+        refined.write_text(json.dumps({key: {"16": new, "64": new, "256": new}}))
+        take.main([str(refined), str(table), "qwen3:nvfp4:16", "--dry-run"])
+        assert json.loads(table.read_text())[key]["16"] == old
+        take.main([str(refined), str(table), "qwen3:nvfp4:16"])
+        printed = capsys.readouterr().out.splitlines()
+        split = old["gemm2"]["split_k"]
+        assert printed == [f"qwen3:nvfp4:16: gemm2.split_k: {split} -> {2 * split}; specialized: (no key) -> None"] * 2
+        written = json.loads(table.read_text())
+        assert written[key] == {"16": new, "64": old}  # the job's count only
+        assert table.read_text() == json.dumps(written, indent=1, sort_keys=True) + "\n"  # as moe.tune writes
+        with pytest.raises(SystemExit):
+            take.main([str(refined), str(table), "qwen3:nvfp4:4"])
+    finally:
+        for name in ("take_entries", "compare_trees", "bench_moe"):
+            sys.modules.pop(name, None)
+    err = capsys.readouterr().err
+    assert "job 'qwen3:nvfp4:4': the refined table has no entry" in err and "at M = 4" in err
