@@ -54,6 +54,7 @@ from numba_kernels import interop
 from numba_kernels.gemm import grouped_gemm
 from numba_kernels.launch import EARLY_LAUNCH, Launcher, recording, replaying
 from bench_table import source_digest
+from compare_trees import parse_job
 from reads import PlainReads
 
 SHAPES = {"qwen3": dict(num_experts=128, top_k=8, hidden_size=2048, intermediate_size=768),
@@ -63,6 +64,14 @@ FORMATS = {"w4a16-g128": QuantScheme("native", bits=4, group_size=128), "nvfp4":
            "w4a16-g128-zp": QuantScheme("native", bits=4, group_size=128, symmetric=False)}
 ISSUE_FORMATS = ["w4a16-g128", "nvfp4"]  # the formats the issues' targets name: every script's default
 TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
+
+
+def job_config(job: str) -> tuple[MoEConfig, int]:
+    """(the layer's config, M) of a job, shape:format:M (`compare_trees.parse_job`)."""
+    shape, format_name, tokens = parse_job(job)
+    if shape not in SHAPES or format_name not in FORMATS:
+        raise ValueError(f"{job!r} names no shape of {list(SHAPES)} or no format of {list(FORMATS)}")
+    return MoEConfig(**SHAPES[shape], quant=FORMATS[format_name]), tokens
 
 REFERENCE_FIGURES = """Reference figures (H100, from the issues; two GEMMs, same floor definition):
   vLLM Marlin MoE:   Qwen3 M=1 0.029 ms (0.22), M=16 0.105 ms (0.59), M=256 0.195 ms (0.53), M=4096 1.308 ms (0.30)

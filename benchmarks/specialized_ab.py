@@ -29,9 +29,8 @@ import torch
 
 import numba_kernels  # noqa: F401  (before numba: no simulator on a GPU machine)
 import moe.oracle
-from bench_moe import FORMATS, SHAPES, Timer, best_times, routing_for
-from compare_trees import parse_job
-from moe import MoEConfig, MoELayer
+from bench_moe import Timer, best_times, job_config, routing_for
+from moe import MoELayer
 from moe.weights import kernel_spec
 from numba_kernels.gemm_specialized import SpecializedTile
 
@@ -60,12 +59,6 @@ def time_way(timer, layer, hidden, logits, topk_weights, topk_ids) -> tuple[floa
     """(GEMMs us, layer us) of `layer` as the oracle now chooses."""
     gemm_ms, layer_ms, _ = best_times(timer, layer, hidden, logits, topk_weights, topk_ids)
     return gemm_ms * 1e3, layer_ms * 1e3
-
-
-def job_config(job: str) -> tuple[MoEConfig, int]:
-    """(the layer's config, M) of a job."""
-    shape, format_name, tokens = parse_job(job)
-    return MoEConfig(**SHAPES[shape], quant=FORMATS[format_name]), tokens
 
 
 def run_job(timer, job: str, rounds: int, variant: dict[str, int], with_tiles: bool) -> None:
@@ -133,12 +126,11 @@ def main(argv=None) -> None:
                         help="leave the tiles out (their kernels take minutes to compile at prefill counts): the "
                              "outputs are compared with the oracle's warp-specialised way's")
     args = parser.parse_args(argv)
-    for job in args.jobs:
-        shape, format_name, _ = parse_job(job)
-        if shape not in SHAPES or format_name not in FORMATS:
-            parser.error(f"--jobs: {job!r} names no shape of {list(SHAPES)} or no format of {list(FORMATS)}")
     try:
         tiles = {moe.oracle.specialized_tile(*job_config(job)) for job in args.jobs}
+    except ValueError as error:
+        parser.error(f"--jobs: {error}")
+    try:
         variant = parse_variant(args.variant, tiles) if args.variant else {}
     except argparse.ArgumentTypeError as error:
         parser.error(str(error))

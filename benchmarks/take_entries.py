@@ -22,9 +22,7 @@ from pathlib import Path
 
 import attrs
 
-from bench_moe import FORMATS, SHAPES
-from compare_trees import parse_job
-from moe import MoEConfig
+from bench_moe import job_config
 from moe.oracle import backend_from_dict, shape_key
 from moe.tune import write_entries
 from moe.weights import kernel_spec
@@ -34,10 +32,7 @@ MISSING = "(no key)"
 
 def job_key(job: str) -> tuple[str, str]:
     """'qwen3:nvfp4:16' -> (the table's shape key, '16')."""
-    shape, format_name, tokens = parse_job(job)
-    if shape not in SHAPES or format_name not in FORMATS:
-        raise ValueError(f"job {job!r}: the shape is one of {sorted(SHAPES)}, the format one of {sorted(FORMATS)}")
-    config = MoEConfig(**SHAPES[shape], quant=FORMATS[format_name])
+    config, tokens = job_config(job)
     return shape_key(config, kernel_spec(config)), str(tokens)
 
 

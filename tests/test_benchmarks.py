@@ -193,7 +193,7 @@ def test_take_entries_takes_a_jobs_entry_and_says_what_it_changes(tmp_path, monk
     try:
         take = importlib.import_module("take_entries")
         key, _ = take.job_key("qwen3:nvfp4:16")
-        config = take.MoEConfig(**take.SHAPES["qwen3"], quant=take.FORMATS["nvfp4"])
+        config, _ = take.job_config("qwen3:nvfp4:16")
         old = backend_to_dict(heuristic_backend(config, 16))
         del old["specialized"], old["gemm1"]["release_early"]  # a table from before those keys
         new = json.loads(json.dumps(old))
