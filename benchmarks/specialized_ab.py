@@ -118,8 +118,9 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--from-slots", type=float, metavar="SLOTS",
                         help="slots an expert from which the oracle takes the warp-specialised GEMM (default "
-                             "`moe.oracle.specialized_from`, 16 or 32), to time it below; at least "
-                             f"{moe.oracle.DECODE_TOKENS_PER_EXPERT}, where the decode tiles' regime ends")
+                             "`moe.oracle.specialized_from`, 16 or 32), to time it below, even in the decode "
+                             f"tiles' regime (under {moe.oracle.DECODE_TOKENS_PER_EXPERT}, where the tuner does "
+                             "not time it)")
     parser.add_argument("--variant", nargs="+", metavar="FIELD=VALUE",
                         help="also time the warp-specialised GEMM with these SpecializedTile fields changed")
     parser.add_argument("--without-tiles", action="store_true",
@@ -138,9 +139,12 @@ def main(argv=None) -> None:
         parser.error("it times kernels on a CUDA GPU and none is available here (the warp-specialised GEMM's "
                      "checks run in the simulator: tests/test_specialized.py)")
     if args.from_slots is not None:
-        if args.from_slots < moe.oracle.DECODE_TOKENS_PER_EXPERT:
-            parser.error(f"--from-slots must be at least {moe.oracle.DECODE_TOKENS_PER_EXPERT}, got {args.from_slots}")
+        if args.from_slots <= 0:
+            parser.error(f"--from-slots must be positive, got {args.from_slots}")
+        allowed = moe.oracle.specialized_allowed
         moe.oracle.specialized_from = lambda config: args.from_slots
+        moe.oracle.specialized_candidate = lambda config, tokens, spec: (
+            moe.oracle.slots_per_expert(config, tokens) >= args.from_slots and allowed(config, spec))
     timer = Timer()
     say(torch.cuda.get_device_name())
     for job in args.jobs:
