@@ -292,11 +292,20 @@ def specialized_allowed(config: MoEConfig, spec: QuantSpec) -> bool:
     return all(specialized_supported(spec, n, k, config.dtype) for n, k in ((n1, h), (h, i)))
 
 
+SPECIALIZED_CANDIDATE_TOKENS_PER_EXPERT = 8
+"""Expected slots an expert from which the tuner times the warp-specialised GEMM, half the
+decode regime's end: on NARROW_SPECIALIZED_TILE it can win below where the untuned oracle
+takes it (`specialized_from`). On the H200 (eighty-fourth session of benchmarks/LOG.md,
+DeepSeek at M = 256, 8 an expert, GEMMs us, one process, two rounds): w4a16 1917 / 2024
+against its tiles' 2136 / 2350; NVFP4 2323 / 2309 against 1999 / 2116."""
+
+
 def specialized_candidate(config: MoEConfig, num_tokens: int, spec: QuantSpec) -> bool:
     """Whether the tuner times the warp-specialised GEMM at `num_tokens` tokens: where it
-    can run (`specialized_allowed`), from the end of the decode regime
-    (DECODE_TOKENS_PER_EXPERT slots an expert) up."""
-    return slots_per_expert(config, num_tokens) >= DECODE_TOKENS_PER_EXPERT and specialized_allowed(config, spec)
+    can run (`specialized_allowed`), from SPECIALIZED_CANDIDATE_TOKENS_PER_EXPERT slots an
+    expert up."""
+    return (slots_per_expert(config, num_tokens) >= SPECIALIZED_CANDIDATE_TOKENS_PER_EXPERT
+            and specialized_allowed(config, spec))
 
 
 def specialized_from(config: MoEConfig) -> int:

@@ -18,8 +18,8 @@ H200 a fused gemm1 won alone by 2 to 3 % but lost in the layer's sequence by 2 t
 GEMMs where gemm1 leaves it, as the layer does and the benchmark's GEMMs column does not:
 so at Qwen3 w4a16 M = 1 the tuner sees no gain in gemm1 releasing early, which that column
 times 0.6 us faster and the layer 0.2 (within the spread; H200, benchmarks/LOG.md). Where
-the warp-specialised GEMM can run (Hopper, the native layout) and the experts get more than
-a decode tile's slots (`oracle.specialized_candidate`), it is timed too, at the tile the
+the warp-specialised GEMM can run (Hopper, the native layout) and the experts get half a
+decode tile's slots or more (`oracle.specialized_candidate`), it is timed too, at the tile the
 token count takes (`oracle.specialized_tile`), with its gather, activation and combine, as
 one more pair. The fastest pair wins, over all block sizes; its entry says whether it is
 the warp-specialised GEMM ("specialized"). A time is the mean over `routings` random

@@ -349,7 +349,8 @@ def test_the_tuner_times_it_and_the_oracle_takes_what_it_measured(tmp_path, monk
         assert select_backend(config, 32, spec, specialized=False).specialized is None
         wide = select_backend(config, 100, spec)  # 100 slots an expert, in the entry's reach: the wide tile
         assert wide == moe.oracle.warp_specialised(moe.oracle.WIDE_SPECIALIZED_TILE)
-        assert not moe.oracle.specialized_candidate(config, 15, spec)  # under 16 an expert: the decode tiles' regime
+        assert moe.oracle.specialized_candidate(config, 8, spec)  # timed from 8 slots an expert
+        assert not moe.oracle.specialized_candidate(config, 7, spec)
     finally:
         moe.oracle.tuned_tables.cache_clear()
 
