@@ -8,7 +8,8 @@ Formats: bench_moe.py's (`FORMATS`, with w4a16-g128-zp, int4 with zero points).
 For each job (shape:format:M, as `compare_trees.py` names them) one layer and one routed
 batch, run two ways: the oracle's warp-specialised backend
 (`moe.oracle.specialized_backend`, `numba_kernels.gemm_specialized`, at the tile the token
-count takes) and the backend it picks without it (the tuned entry or the heuristic's tiles);
+count takes, whatever the tuned entry says) and the backend it picks without it (the tuned
+entry or the heuristic's tiles);
 with `--variant`, a third: the warp-specialised GEMM with that tile's fields changed as
 given (`--without-tiles` leaves the tiles out: their kernels take minutes to compile at
 prefill counts, and a device call has ten). First the outputs are compared with the tiles'
@@ -37,6 +38,7 @@ from numba_kernels.gemm_specialized import SpecializedTile
 TILE_NAMES = moe.oracle.SPECIALIZED_TILE_NAMES
 OWN_TILES = tuple(getattr(moe.oracle, name) for name in TILE_NAMES)  # the oracle's, by token count
 OWN = "the oracle's"
+TUNED = moe.oracle.USE_TUNED
 START = time.monotonic()
 
 
@@ -48,8 +50,10 @@ def say(line: str) -> None:
 
 def choose(tile: SpecializedTile | str | None) -> None:
     """The oracle's choice from now on: the warp-specialised GEMM at its own tiles (OWN), at
-    `tile` whatever the token count, or (None) not at all."""
+    `tile` whatever the token count, or (None) not at all. The warp-specialised ways pass
+    over the tuned entries, which may say the tiles at the count timed."""
     moe.oracle.USE_SPECIALIZED = tile is not None
+    moe.oracle.USE_TUNED = TUNED and tile is None
     forced = isinstance(tile, SpecializedTile)
     for name, own in zip(TILE_NAMES, OWN_TILES):
         setattr(moe.oracle, name, tile if forced else own)
