@@ -209,11 +209,12 @@ from the end of the decode regime, DECODE_TOKENS_PER_EXPERT slots an expert, on:
 streams their weights faster than the decode tiles. On the H200 (eightieth session, the
 layer's GEMMs against its tiles, us, w4a16 / NVFP4): Mixtral (176 M weights) at 16 slots
 an expert 312 / 323 against 385 / 359, at 12 300 against 320; DeepSeek (44 M) at 16 2381
-against 3069. At 8 slots the tiles won (Mixtral 297 against 257, DeepSeek 2220 against
-2103), and at 16 slots Qwen3's experts (4.7 M) gained nothing (173 / 185 against 173 /
-173); on NARROW_SPECIALIZED_TILE (eighty-second session) w4a16 gains there (148 against
-172) and NVFP4 loses (180 against 172), so the H200's tuned entry takes it for w4a16
-alone."""
+against 3069. At 8 slots the tiles won on blocks of 128 (Mixtral 297 against 257,
+DeepSeek 2220 against 2103; on NARROW_SPECIALIZED_TILE the tuner picks per entry, from
+SPECIALIZED_CANDIDATE_TOKENS_PER_EXPERT), and at 16 slots Qwen3's experts (4.7 M) gained
+nothing (173 / 185 against 173 / 173); on NARROW_SPECIALIZED_TILE (eighty-second session)
+w4a16 gains there (148 against 172) and NVFP4 loses (180 against 172), so the H200's
+tuned entry takes it for w4a16 alone."""
 USE_SPECIALIZED = os.environ.get("NUMBA_MOE_SPECIALIZED", "1") != "0"
 """NUMBA_MOE_SPECIALIZED=0: never the warp-specialised GEMM (what it buys, side by side)."""
 NARROW_SPECIALIZED_TILE = SpecializedTile(block_m=64, max_width=64)
@@ -296,8 +297,9 @@ SPECIALIZED_CANDIDATE_TOKENS_PER_EXPERT = 8
 """Expected slots an expert from which the tuner times the warp-specialised GEMM, half the
 decode regime's end: on NARROW_SPECIALIZED_TILE it can win below where the untuned oracle
 takes it (`specialized_from`). On the H200 (eighty-fourth session of benchmarks/LOG.md,
-DeepSeek at M = 256, 8 an expert, GEMMs us, one process, two rounds): w4a16 1917 / 2024
-against its tiles' 2136 / 2350; NVFP4 2323 / 2309 against 1999 / 2116."""
+DeepSeek at M = 256, 8 an expert, GEMMs us, two rounds): the tuner took it for w4a16, side
+by side 1962 / 1905 against the refined tiles' 2032 / 1940; NVFP4 kept its tiles, which
+took 1999 / 2116 against its 2323 / 2309 in one process."""
 
 
 def specialized_candidate(config: MoEConfig, num_tokens: int, spec: QuantSpec) -> bool:
@@ -453,7 +455,8 @@ def heuristic_first(config: MoEConfig, spec: QuantSpec, entry: dict, measured: i
     an expert, 277 against 206 at 32 (eighty-second session of benchmarks/LOG.md)."""
     if "specialized" not in entry:
         return True
-    return entry["specialized"] is None and num_tokens > measured and specialized_backend(config, measured, spec) is None
+    return (entry["specialized"] is None and num_tokens > measured
+            and specialized_backend(config, measured, spec) is None)
 
 
 def select_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec, *, specialized: bool = True) -> Backend:
