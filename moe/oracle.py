@@ -205,7 +205,7 @@ smallest experts timed (4.7 M weights; seventy-ninth session, w4a16): 32 slots a
 the stage blocks are written in 16-byte stores (before, 980: the tiles won there)."""
 LARGE_EXPERT_WEIGHTS = 8 * 2**20
 """Experts of at least this many weights (both GEMMs') take the warp-specialised GEMM
-from the end of the decode regime, DECODE_TOKENS_PER_EXPERT slots an expert, on: there it
+from LARGE_EXPERT_TOKENS_PER_EXPERT slots an expert, within the decode regime: there it
 streams their weights faster than the decode tiles. On the H200 (eightieth session, the
 layer's GEMMs against its tiles, us, w4a16 / NVFP4): Mixtral (176 M weights) at 16 slots
 an expert 312 / 323 against 385 / 359, at 12 300 against 320; DeepSeek (44 M) at 16 2381
@@ -215,6 +215,14 @@ SPECIALIZED_CANDIDATE_TOKENS_PER_EXPERT), and at 16 slots Qwen3's experts (4.7 M
 nothing (173 / 185 against 173 / 173); on NARROW_SPECIALIZED_TILE (eighty-second session)
 w4a16 gains there (148 against 172) and NVFP4 loses (180 against 172), so the H200's
 tuned entry takes it for w4a16 alone."""
+LARGE_EXPERT_TOKENS_PER_EXPERT = 12
+"""Expected slots an expert from which experts of LARGE_EXPERT_WEIGHTS take the
+warp-specialised GEMM untuned, on NARROW_SPECIALIZED_TILE. On the H200 (eighty-fourth
+session of benchmarks/LOG.md, `specialized_ab.py --from-slots`, one process, GEMMs us,
+medians of three or six rounds, w4a16 / NVFP4): Mixtral at 8 slots 274 / 308 against the
+tiles' 258 / 284, at 10 274 / 311 against 327 / 349, at 12 274 / 310 against 319 / 345;
+DeepSeek at 12 2163 / 2454 against the untuned tiles' 3258 / its entry's tiles' 2429 (a
+tie within the rounds' spread, 2228 to 2470)."""
 USE_SPECIALIZED = os.environ.get("NUMBA_MOE_SPECIALIZED", "1") != "0"
 """NUMBA_MOE_SPECIALIZED=0: never the warp-specialised GEMM (what it buys, side by side)."""
 NARROW_SPECIALIZED_TILE = SpecializedTile(block_m=64, max_width=64)
@@ -312,10 +320,10 @@ def specialized_candidate(config: MoEConfig, num_tokens: int, spec: QuantSpec) -
 
 def specialized_from(config: MoEConfig) -> int:
     """Slots an expert from which the untuned oracle takes the warp-specialised GEMM:
-    DECODE_TOKENS_PER_EXPERT for experts of LARGE_EXPERT_WEIGHTS or more, else
+    LARGE_EXPERT_TOKENS_PER_EXPERT for experts of LARGE_EXPERT_WEIGHTS or more, else
     SPECIALIZED_TOKENS_PER_EXPERT."""
     weights = (config.gate_up_size + config.intermediate_size) * config.hidden_size
-    return DECODE_TOKENS_PER_EXPERT if weights >= LARGE_EXPERT_WEIGHTS else SPECIALIZED_TOKENS_PER_EXPERT
+    return LARGE_EXPERT_TOKENS_PER_EXPERT if weights >= LARGE_EXPERT_WEIGHTS else SPECIALIZED_TOKENS_PER_EXPERT
 
 
 def warp_specialised(tile: SpecializedTile) -> Backend:
