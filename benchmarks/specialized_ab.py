@@ -122,7 +122,8 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--from-slots", type=float, metavar="SLOTS",
                         help="slots an expert from which the oracle takes the warp-specialised GEMM (default "
-                             "`moe.oracle.specialized_from`, 16 or 32), to time it below, even in the decode "
+                             f"`moe.oracle.specialized_from`, {moe.oracle.LARGE_EXPERT_TOKENS_PER_EXPERT} or "
+                             f"{moe.oracle.SPECIALIZED_TOKENS_PER_EXPERT}), to time it below, even in the decode "
                              f"tiles' regime (under {moe.oracle.DECODE_TOKENS_PER_EXPERT}, where the tuner does "
                              "not time it)")
     parser.add_argument("--variant", nargs="+", metavar="FIELD=VALUE",

@@ -4,36 +4,35 @@ token count to `moe/tuned/sm_<major><minor>/<device>.json`, which the oracle
 
 For each token count M it routes M random tokens, and for each alignment block size times
 every candidate tile of gemm1 and of gemm2 on that alignment, each together with the
-reduction that reads its output as the layer runs it (gemm1 -> activation, gemm2 ->
-combine: fused into a decode GEMM's last CTAs, gemm1's activation into a prefill GEMM's
-epilogue, else a kernel of its own; a K split in S parts makes it sum S partials, which
-the GEMM alone does not show). Every time is a CUDA-graph replay, L2 flushed, of the
-alignment and then those launches, replayed as the layer replays its own
-(`launch.replaying`: a kernel that waits for the one before starts early; the first GEMM
-waits for the alignment, as in the layer). The `FINALISTS` fastest tiles of each GEMM (and
-their twins releasing the next kernel early or late, where timed) are then timed in pairs,
-one GEMM after the other as in the layer, where gemm2 starts beside gemm1's tail: on the
-H200 a fused gemm1 won alone by 2 to 3 % but lost in the layer's sequence by 2 to 5 %
-(DeepSeek at M = 4 and 16, benchmarks/LOG.md). A pair runs the activation kernel between the
-GEMMs where gemm1 leaves it, as the layer does and the benchmark's GEMMs column does not:
-so at Qwen3 w4a16 M = 1 the tuner sees no gain in gemm1 releasing early, which that column
-times 0.6 us faster and the layer 0.2 (within the spread; H200, benchmarks/LOG.md). Where
-the warp-specialised GEMM can run (Hopper, the native layout) and the experts get half a
-decode tile's slots or more (`oracle.specialized_candidate`), it is timed too, at the tile the
-token count takes (`oracle.specialized_tile`), with its gather, activation and combine, as
-one more pair. The fastest pair wins, over all block sizes; its entry says whether it is
-the warp-specialised GEMM ("specialized"). A time is the mean over `routings` random
-routings (3 by default): with a few slots per expert one draw can rank two tiles the other
-way round from the next (on the H200 one draw picked a Mixtral M = 16 gemm2 tile that the
-benchmark's own draw timed 1.36x slower). The candidates are the oracle's own families
-(`candidate_tiles`): decode tiles (16-slot blocks, or 8-slot blocks with swapped operands,
-those also with the reduction fused into the GEMM or an unchecked steady loop; gemm1's
-also as gate/up pairs of warps that finish the activation in their epilogue; operands
-straight from global memory, K split over warps and CTAs) and prefill tiles (32 to 128-row
-blocks staged in shared memory, in either CTA order, with and without trim_padding,
-gemm1's with and without the activation in its epilogue); a tile that the layout or the
-shared memory cannot take is skipped. Weights are random bits in the kernel layout: timing
-does not depend on their values.
+reduction that reads its output as the layer runs it (gemm1 -> activation, gemm2 -> combine:
+fused into a decode GEMM's last CTAs, gemm1's activation into a prefill GEMM's epilogue,
+else a kernel of its own; a K split in S parts makes it sum S partials, which the GEMM alone
+does not show). Every time is a CUDA-graph replay, L2 flushed, of the alignment and then
+those launches, replayed as the layer replays its own (`launch.replaying`: a kernel that
+waits for the one before starts early; the first GEMM waits for the alignment, as in the
+layer). The `FINALISTS` fastest tiles of each GEMM (and their twins releasing the next
+kernel early or late, where timed) are then timed in pairs, one GEMM after the other as in
+the layer, where gemm2 starts beside gemm1's tail: on the H200 a fused gemm1 won alone by 2
+to 3 % but lost in the layer's sequence by 2 to 5 % (DeepSeek at M = 4 and 16,
+benchmarks/LOG.md). A pair runs the activation kernel between the GEMMs where gemm1 leaves
+it, as the layer does and the benchmark's GEMMs column does not: so at Qwen3 w4a16 M = 1 the
+tuner sees no gain in gemm1 releasing early, which that column times 0.6 us faster and the
+layer 0.2 (within the spread; H200, benchmarks/LOG.md). Where the warp-specialised GEMM can
+run (Hopper, the native layout) and the experts get half a decode tile's slots or more
+(`oracle.specialized_candidate`), it is timed too, at the tile the token count takes
+(`oracle.specialized_tile`), with its gather, activation and combine, as one more pair. The
+fastest pair wins, over all block sizes; its entry says whether it is the warp-specialised
+GEMM ("specialized"). A time is the mean over `routings` random routings (3 by default):
+with a few slots per expert one draw can rank two tiles the other way round from the next
+(on the H200 one draw picked a Mixtral M = 16 gemm2 tile that the benchmark's own draw timed
+1.36x slower). The candidates are the oracle's own families (`candidate_tiles`): decode
+tiles (16-slot blocks, or 8-slot blocks with swapped operands, those also with the reduction
+fused into the GEMM or an unchecked steady loop; gemm1's also as gate/up pairs of warps that
+finish the activation in their epilogue; operands straight from global memory, K split over
+warps and CTAs) and prefill tiles (32 to 128-row blocks staged in shared memory, in either
+CTA order, with and without trim_padding, gemm1's with and without the activation in its
+epilogue); a tile that the layout or the shared memory cannot take is skipped. Weights are
+random bits in the kernel layout: timing does not depend on their values.
 
     python -m moe.tune --experts 128 --top-k 8 --hidden 2048 --intermediate 768 --tokens 1 16 256 4096
 """

@@ -244,7 +244,7 @@ def test_oracle_takes_it_only_where_device_slots_and_layout_allow(monkeypatch):
     assert select_backend(config, low - 1, spec).specialized is None  # too few slots an expert
     large = _tiny_config(hidden_size=1024, intermediate_size=4096)  # 12.6 M weights an expert
     assert select_backend(large, 12, kernel_spec(large)).specialized == moe.oracle.NARROW_SPECIALIZED_TILE
-    assert select_backend(large, 11, kernel_spec(large)).specialized is None  # the decode tiles'
+    assert select_backend(large, 11, kernel_spec(large)).specialized is None  # under 12 an expert: decode tiles
     assert select_backend(config, 33, spec).specialized == moe.oracle.SPECIALIZED_TILE  # past 32: blocks of 128
     assert select_backend(config, 80, spec).specialized == moe.oracle.SPECIALIZED_TILE  # a part of a block each
     assert select_backend(config, 81, spec).specialized == moe.oracle.WIDE_SPECIALIZED_TILE  # more: parts of 128
