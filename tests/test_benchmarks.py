@@ -126,6 +126,38 @@ def test_specialized_ab_names_a_bad_variant(fields, says, monkeypatch, capsys):
     assert "--variant takes SpecializedTile fields as KEY=INT" in err and says in err
 
 
+def test_specialized_ab_runs_the_warp_specialised_gemm_where_an_entry_says_tiles(tmp_path, monkeypatch):
+    """specialized_ab.py's warp-specialised way passes over a tuned entry that found the
+    tiles faster at the count timed (else both ways would run the tiles); its tiles way
+    takes that entry."""
+    import moe.oracle
+    from moe import MoEConfig, QuantScheme
+    from moe.oracle import Backend, select_backend
+    from moe.tune import save
+    from moe.weights import kernel_spec
+    from numba_kernels.gemm import GemmTile
+
+    monkeypatch.setattr(moe.oracle, "TUNED_DIR", tmp_path)
+    monkeypatch.setattr(moe.oracle, "specialized_device", lambda: True)  # as on an H100 / H200
+    for name in ("USE_TUNED", "USE_SPECIALIZED", *moe.oracle.SPECIALIZED_TILE_NAMES):  # what `choose` sets
+        monkeypatch.setattr(moe.oracle, name, getattr(moe.oracle, name))
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    config = MoEConfig(num_experts=2, top_k=2, hidden_size=128, intermediate_size=64,
+                       quant=QuantScheme("gptq", bits=4, group_size=64))
+    tiles, spec = Backend(16, GemmTile(block_m=16), GemmTile(block_m=16)), kernel_spec(config)
+    try:
+        save(config, {32: tiles})  # 32 slots an expert, where the untuned oracle takes it
+        assert select_backend(config, 32, spec) == tiles
+        ab = importlib.import_module("specialized_ab")
+        ab.choose(ab.OWN)
+        assert select_backend(config, 32, spec) == moe.oracle.warp_specialised(moe.oracle.NARROW_SPECIALIZED_TILE)
+        ab.choose(None)
+        assert select_backend(config, 32, spec) == tiles
+    finally:
+        sys.modules.pop("specialized_ab", None)
+        moe.oracle.tuned_tables.cache_clear()
+
+
 @pytest.mark.parametrize("job", ["mixtral:int3:256", "llama:nvfp4:256"])
 def test_specialized_ab_names_a_job_it_cannot_build(job, monkeypatch, capsys):
     """A job's shape and format are checked before any GPU is looked for: a name

@@ -374,7 +374,7 @@ def test_tiles_measured_faster_leave_larger_counts_to_the_untuned_choice(tmp_pat
         assert select_backend(small, 31, spec) == tiles  # the untuned choice takes it from 32 slots an expert
         assert select_backend(small, 32, spec).specialized == moe.oracle.NARROW_SPECIALIZED_TILE
         assert select_backend(small, 63, spec).specialized == moe.oracle.SPECIALIZED_TILE
-        assert moe.oracle.specialized_backend(large, 16, kernel_spec(large)) is not None  # large experts: from 16
+        assert moe.oracle.specialized_backend(large, 16, kernel_spec(large)) is not None  # large experts: from 12
         assert all(select_backend(large, m, kernel_spec(large)) == tiles for m in (16, 32, 63))
     finally:
         moe.oracle.tuned_tables.cache_clear()
