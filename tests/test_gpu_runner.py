@@ -403,3 +403,27 @@ def test_warp_specialised_expert_parallel_ranks_sum_to_the_layer(monkeypatch):
     expected = reference_moe(full, hidden.float().cpu().numpy(), checkpoint.dense_w13, checkpoint.dense_w2,
                              router_logits=logits.cpu().numpy())
     assert _error(total, expected) < 2e-2
+
+
+@pytest.mark.parametrize("quant", [QuantScheme("native", bits=4, group_size=128), QuantScheme("nvfp4")])
+def test_large_experts_run_warp_specialised_from_twelve_slots_an_expert(quant, monkeypatch):
+    """Mixtral's experts (176 M weights) take the warp-specialised GEMM untuned from
+    LARGE_EXPERT_TOKENS_PER_EXPERT slots an expert (48 tokens: 12), inside the decode regime,
+    on blocks of 64 that are mostly padding: the layer at the real shape gives what the
+    decode tiles give, and the same bits every call."""
+    config = MoEConfig(**REALISTIC["mixtral"], quant=quant)
+    tokens = 48
+    assert moe.oracle.slots_per_expert(config, tokens) == moe.oracle.LARGE_EXPERT_TOKENS_PER_EXPERT
+    monkeypatch.setattr(moe.oracle, "USE_TUNED", False)
+    layer = MoELayer(config, max_tokens=tokens)
+    if select_backend(config, tokens, layer.weights.spec).specialized is None:
+        pytest.skip("the warp-specialised GEMM runs on sm_90 only")
+    layer.weights.fill_random(seed=6)
+    hidden, logits = _inputs(config, tokens, 8)
+    got = layer(hidden, logits).clone()
+    assert torch.equal(layer(hidden, logits), got)
+    monkeypatch.setattr(moe.oracle, "USE_SPECIALIZED", False)
+    assert select_backend(config, tokens, layer.weights.spec).specialized is None
+    expected = fused_moe(hidden, logits, layer.weights, config).float()
+    assert torch.isfinite(expected).all()
+    assert (torch.linalg.norm(got.float() - expected) / torch.linalg.norm(expected)).item() < 1e-2
