@@ -416,8 +416,10 @@ def test_large_experts_run_warp_specialised_from_twelve_slots_an_expert(quant, m
     assert moe.oracle.slots_per_expert(config, tokens) == moe.oracle.LARGE_EXPERT_TOKENS_PER_EXPERT
     monkeypatch.setattr(moe.oracle, "USE_TUNED", False)
     layer = MoELayer(config, max_tokens=tokens)
-    if select_backend(config, tokens, layer.weights.spec).specialized is None:
+    backend = select_backend(config, tokens, layer.weights.spec)
+    if backend.specialized is None:
         pytest.skip("the warp-specialised GEMM runs on sm_90 only")
+    assert backend.specialized == moe.oracle.NARROW_SPECIALIZED_TILE
     layer.weights.fill_random(seed=6)
     hidden, logits = _inputs(config, tokens, 8)
     got = layer(hidden, logits).clone()
