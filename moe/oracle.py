@@ -400,8 +400,20 @@ def shape_prefix(config: MoEConfig) -> str:
     return f"E={config.num_local_experts},top_k={config.top_k},H={config.hidden_size},I={config.intermediate_size},"
 
 
+def shape_keys(config: MoEConfig, spec: QuantSpec) -> list[str]:
+    """The tuned tables' keys for weights `spec`, its own first. Zero points (AWQ,
+    asymmetric compressed-tensors) have a key of their own, then take the entries of the
+    same layout without them: their tiles read the same codes and one more small tensor,
+    and mostly the same tiles win, but not always (H200: Mixtral at M = 4, the symmetric
+    entry 156 us with zero points against 140 for a tile refined on them; eighty-sixth
+    session of benchmarks/LOG.md)."""
+    plain = f"{shape_prefix(config)}spec={spec.name},group={spec.group_size}"
+    return [f"{plain},zero_points=true", plain] if spec.zeros is not None else [plain]
+
+
 def shape_key(config: MoEConfig, spec: QuantSpec) -> str:
-    return f"{shape_prefix(config)}spec={spec.name},group={spec.group_size}"
+    """The key `moe.tune` saves entries for `spec` under."""
+    return shape_keys(config, spec)[0]
 
 
 def tuned_path(architecture: str, device: str) -> Path:
@@ -422,16 +434,20 @@ def tuned_entries(config: MoEConfig, spec: QuantSpec) -> tuple[str | None, dict]
     within an architecture: the same instructions, shared memory and registers per
     multiprocessor; only the best choice may shift with bandwidth and multiprocessor
     count, so a GPU re-tunes the counts where it differs and keeps its sibling's
-    elsewhere). `source` names the tables that gave entries, this device's first
+    elsewhere); then the same for the next of `shape_keys` (zero points: the entries without
+    them). `source` names the tables that gave entries, this device's first
     ("NVIDIA_H100_80GB_HBM3 + NVIDIA_H200"); (None, {}) where none has the shape."""
     if not USE_TUNED:
         return None, {}
-    tables, key, own = tuned_tables(device_architecture()), shape_key(config, spec), device_name()
-    own_entries = tables.get(own, {}).get(key, {})
-    sibling = next((device for device in sorted(tables) if device != own and key in tables[device]), None)
-    topped_up = {m: entry for m, entry in (tables[sibling][key] if sibling else {}).items() if m not in own_entries}
-    sources = [own] * bool(own_entries) + [sibling] * bool(topped_up)
-    return (" + ".join(sources) or None), {**topped_up, **own_entries}
+    tables, own = tuned_tables(device_architecture()), device_name()
+    sources, entries = [], {}
+    for key in shape_keys(config, spec):
+        sibling = next((device for device in sorted(tables) if device != own and key in tables[device]), None)
+        for device in (own, sibling):
+            found = {m: entry for m, entry in tables.get(device, {}).get(key, {}).items() if m not in entries}
+            sources += [device] * bool(found)
+            entries.update(found)
+    return (" + ".join(dict.fromkeys(sources)) or None), entries
 
 
 def backend_from_dict(value: dict) -> Backend:

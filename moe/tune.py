@@ -414,6 +414,8 @@ def main(argv=None) -> None:
     parser.add_argument("--intermediate", type=int, required=True)
     parser.add_argument("--format", default="native", choices=["native", "nvfp4"])
     parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--zero-points", action="store_true",
+                        help="int4 with a zero point a group (AWQ, asymmetric compressed-tensors) instead of symmetric")
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16, 64, 256, 1024, 4096])
     parser.add_argument("--routings", type=int, default=3, help="random routings each candidate is timed on")
     parser.add_argument("--verbose", action="store_true", help="print every measurement")
@@ -423,8 +425,10 @@ def main(argv=None) -> None:
     if min(args.tokens) < 1 or args.routings < 1:
         parser.error("--tokens and --routings must be positive")
     try:
-        quant = QuantScheme("nvfp4") if args.format == "nvfp4" else QuantScheme("native", bits=4,
-                                                                                 group_size=args.group_size)
+        if args.format == "nvfp4" and args.zero_points:
+            parser.error("--zero-points applies to --format native (NVFP4 has no zero points)")
+        quant = QuantScheme("nvfp4") if args.format == "nvfp4" else QuantScheme(
+            "native", bits=4, group_size=args.group_size, symmetric=not args.zero_points)
         config = MoEConfig(num_experts=args.experts, top_k=args.top_k, hidden_size=args.hidden,
                            intermediate_size=args.intermediate, quant=quant)
     except ValueError as error:  # the shape's own checks, as a usage error rather than a traceback

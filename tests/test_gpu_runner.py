@@ -258,7 +258,8 @@ def _tuned_entries() -> list:
 def _config_of(key: str) -> MoEConfig:
     fields = dict(part.split("=") for part in key.split(","))
     quant = (QuantScheme("nvfp4") if fields["spec"] == "native_nvfp4"
-             else QuantScheme("native", bits=4, group_size=int(fields["group"])))
+             else QuantScheme("native", bits=4, group_size=int(fields["group"]),
+                              symmetric=fields.get("zero_points") != "true"))
     config = MoEConfig(num_experts=int(fields["E"]), top_k=int(fields["top_k"]), hidden_size=int(fields["H"]),
                        intermediate_size=int(fields["I"]), quant=quant)
     assert shape_key(config, kernel_spec(config)) == key

@@ -108,6 +108,29 @@ def test_a_device_without_a_table_takes_its_architecture_siblings(empty_tuned_di
     assert select_backend(CONFIG, 2, spec) == heuristic
 
 
+def test_zero_points_have_entries_of_their_own_and_fall_back_to_the_plain_layouts(empty_tuned_dir):
+    """Int4 with zero points is tuned under a key of its own; a count it has no entry for
+    takes the symmetric layout's entry (the tiles read the same codes), and its entries
+    never reach the symmetric layout."""
+    zero_points = attrs.evolve(CONFIG, quant=QuantScheme("native", bits=4, group_size=32, symmetric=False))
+    plain_spec, zp_spec = kernel_spec(CONFIG), kernel_spec(zero_points)
+    plain_key = moe.oracle.shape_key(CONFIG, plain_spec)
+    assert moe.oracle.shape_keys(zero_points, zp_spec) == [f"{plain_key},zero_points=true", plain_key]
+    plain, own = Backend(16, SLOW, FAST), Backend(16, FAST, SLOW)
+    save(CONFIG, {2: plain, 8: plain})
+    assert select_backend(zero_points, 2, zp_spec) == plain
+    save(zero_points, {2: own})
+    as_dict = moe.oracle.backend_to_dict
+    assert moe.oracle.tuned_entries(zero_points, zp_spec) == (moe.oracle.device_name(),
+                                                              {"2": as_dict(own), "8": as_dict(plain)})
+    assert select_backend(zero_points, 2, zp_spec) == own
+    assert select_backend(zero_points, 8, zp_spec) == plain
+    assert select_backend(CONFIG, 2, plain_spec) == plain
+    assert own.gemm2 in other_format_tiles(2, CONFIG, CONFIG.intermediate_size)  # the refine's candidates
+    save(CONFIG, {8: own}, device="A_GPU")  # a sibling's plain entry: after this device's own
+    assert moe.oracle.tuned_entries(zero_points, zp_spec)[1]["8"] == as_dict(plain)
+
+
 def test_a_tuned_prefill_entry_skips_a_layout_it_cannot_stage(empty_tuned_dir):
     """Act-order's K-sorted tiles share the plain layout's name, hence its tuned entries;
     read through their index maps they cannot be staged, so the oracle gives them the
