@@ -6,10 +6,11 @@ in the runner makes these choices.
 of this device (`moe/tuned/sm_<major><minor>/<device>.json`, written by `python -m
 moe.tune`), topped up by those another GPU of the same architecture measured (`tuned_entries`:
 an H100 takes the H200's tiles for the token counts it has not tuned itself, rather than
-the untuned heuristic), and falls back to a heuristic. Where no entry was tuned with the
-warp-specialised GEMM among its candidates (every table from before it), the oracle may
-take that GEMM first (`specialized_backend`: Hopper, from 16 or 32 slots an expert up).
-The heuristic:
+the untuned heuristic; int4 with zero points, where it has no entry of its own, the
+symmetric layout's: `shape_keys`), and falls back to a heuristic. Where no entry was
+tuned with the warp-specialised GEMM among its candidates (every table from before it),
+the oracle may take that GEMM first (`specialized_backend`: Hopper, from 16 or 32 slots
+an expert up). The heuristic:
 
 * decode (few tokens per expert): operands straight from global memory, 4 warps splitting
   K, batches of 2 slabs each (double buffered; 4 with swapped operands), and a K split
