@@ -424,9 +424,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if min(args.tokens) < 1 or args.routings < 1:
         parser.error("--tokens and --routings must be positive")
+    if args.format == "nvfp4" and args.zero_points:
+        parser.error("--zero-points applies to --format native (NVFP4 has no zero points)")
     try:
-        if args.format == "nvfp4" and args.zero_points:
-            parser.error("--zero-points applies to --format native (NVFP4 has no zero points)")
         quant = QuantScheme("nvfp4") if args.format == "nvfp4" else QuantScheme(
             "native", bits=4, group_size=args.group_size, symmetric=not args.zero_points)
         config = MoEConfig(num_experts=args.experts, top_k=args.top_k, hidden_size=args.hidden,

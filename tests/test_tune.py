@@ -308,6 +308,7 @@ def test_the_command_line_without_a_gpu_says_so(capsys):
     (["--top-k", "5"], r"top_k \(5\) must not exceed num_experts \(4\)"),
     (["--top-k", "2", "--tokens", "0"], "--tokens and --routings must be positive"),
     (["--top-k", "2", "--group-size", "0"], "group_size must be a positive int"),
+    (["--top-k", "2", "--format", "nvfp4", "--zero-points"], "--zero-points applies to --format native"),
 ])
 def test_the_command_line_reports_a_bad_shape_as_a_usage_error(args, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
