@@ -97,7 +97,7 @@ class HalfConstants:
     """Bit patterns of one half type, packed as pairs."""
 
     one: int
-    int4_magic: int  # half pair whose mantissa holds a 4-bit code in its low bits
+    int4_magic: int  # half pair whose mantissa holds a 4-bit code in its low bits (its low byte zero)
     int4_magic_value: float
     fp4_shift: int  # e2m1 magnitude bits -> half bits
     fp4_unbias_pair: int  # 2**126 (bfloat16) or 2**14 (float16): shifted e2m1 bits -> value
@@ -447,6 +447,16 @@ def _bit_chain(moves: tuple, and_or):
     return move
 
 
+def zero_point_byte(shift: int) -> tuple[int, int]:
+    """(right shift, `byte_perm` selector) that take a 4-bit zero point at bit `shift` of
+    its word to the low byte of both halves of a pair, with the second operand's byte 0
+    above it in each: the word shifted right by `shift` % 8 puts the nibble at the bottom
+    of byte `shift` // 8, a mask keeps each byte's low nibble, and the selector picks that
+    byte twice. The half types' magics have a zero low byte, so the pair is then the
+    magic plus the zero point (with the sign of the byte above)."""
+    return shift % 8, 0x4040 + 0x0101 * (shift // 8)
+
+
 def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneScales | None) -> FragmentReader:
     geometry = TileGeometry.of(spec, n, k)
     bits, words_per_lane, word_of = geometry.bits, geometry.words_per_lane, geometry.word_of()
@@ -474,7 +484,8 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
     zero_words = 1 if lane and lane.zero_row_words else 0
     groups, zero_shifts = (lane.groups, lane.zero_shifts) if lane else (1, ())
     scale_place, zero_place = (lane.scale_place(), lane.zero_place()) if lane else (None, None)
-    magic_bits = uint32(constants.int4_magic & 0xFFFF)
+    zero_bytes = tuple(zero_point_byte(shift) for shift in zero_shifts)
+    minus_magic_top = uint32(((constants.int4_magic ^ 0x80008000) >> 8 & 0xFF) * 0x01010101)
     fixed_bits = int(round_to_half_bits(np.float64(-(constants.int4_magic_value + (spec.code.bias or 0))), half))
     fixed_offset_pair = uint32(fixed_bits | fixed_bits << 16)
     # ue5m3 scale bytes, as half pairs in two instructions (`fp4_scales`).
@@ -531,11 +542,13 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
 
     @device
     def lane_offset_pair(raw, column):
-        """Minus (magic + zero point) of `column` as a half pair."""
+        """Minus (magic + zero point) of `column` as a half pair: its nibble masked into a
+        byte of the word (one mask serves every column at that shift), and one byte permute
+        puts that byte under the minus magic's top byte in both halves."""
         if zero_words:
-            zero = (uint32(raw[words_per_lane + scale_words]) >> uint32(zero_shifts[column])) & uint32(0xF)
-            bits16 = magic_bits | zero
-            return (bits16 | (bits16 << uint32(16))) ^ uint32(0x80008000)
+            right, selector = zero_bytes[column]
+            nibbles = (uint32(raw[words_per_lane + scale_words]) >> uint32(right)) & uint32(0x0F0F0F0F)
+            return byte_perm(nibbles, minus_magic_top, uint32(selector))
         return fixed_offset_pair
 
     @device

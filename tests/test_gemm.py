@@ -14,11 +14,11 @@ from numba import cuda, uint32
 from layouts import BitPack, Layout, Quantized, Tensor, Transpose, formats
 from layouts.samples import random_quantized
 from layouts.strategies import spec_for
-from numba_kernels import gemm as gemm_module, interop, ptx
+from numba_kernels import gemm as gemm_module, interop, ptx, twins
 from numba_kernels.align import moe_align_block_size
-from numba_kernels.fragments import (COPY_OFFSET_LIMIT, bit_spread, bulk_staging_supported, copy_offsets_fit,
-                                     e2m1_moves, fast_path_supported, fragment_reader, lane_scales, move_instructions,
-                                     staged_weights)
+from numba_kernels.fragments import (COPY_OFFSET_LIMIT, HALF_CONSTANTS, bit_spread, bulk_staging_supported,
+                                     copy_offsets_fit, e2m1_moves, fast_path_supported, fragment_reader, lane_scales,
+                                     move_instructions, staged_weights, zero_point_byte)
 from numba_kernels.gemm import GemmTile, grouped_gemm, prefill_supported, reference_grouped_gemm
 from numba_kernels.weights import KernelWeights
 
@@ -155,6 +155,21 @@ def test_zero_points_with_scattered_bits_are_read_through_their_index_maps():
     spec = with_places(formats.native(4, 32, zero_points=True), tuple(reversed(range(32))), "zeros")
     assert fast_path_supported(spec, "bfloat16") and lane_scales(spec, 64, 64, "bfloat16") is None
     assert_close(*run_case(spec, (2, 64, 64), tokens=2, top_k=2, tile=DECODE))
+
+
+@pytest.mark.parametrize("half", ["bfloat16", "float16"])
+def test_a_zero_point_at_any_bit_becomes_minus_magic_plus_it_in_one_byte_permute(half):
+    """The prefetched zero point's offset pair: `zero_point_byte`'s shift and selector, for a
+    nibble at every bit of its word, against -(magic + z) in both halves."""
+    constants = HALF_CONSTANTS[half]
+    top = ((constants.int4_magic ^ 0x80008000) >> 8 & 0xFF) * 0x01010101
+    for shift, zero in itertools.product(range(29), range(16)):
+        word = np.uint32((0xFFFFFFFF ^ 0xF << shift | zero << shift) & 0xFFFFFFFF)  # other bits set: masked out
+        right, selector = zero_point_byte(shift)
+        pair = int(twins.byte_perm((int(word) >> right) & 0x0F0F0F0F, top, selector))
+        minus = int(np.float32(-(constants.int4_magic_value + zero)).view(np.uint32)) >> 16 if half == "bfloat16" \
+            else int(np.float16(-(constants.int4_magic_value + zero)).view(np.uint16))
+        assert pair == minus | minus << 16, (shift, zero)
 
 
 @pytest.mark.parametrize("spec, half", [(formats.native(4, 32, zero_points=True, half="float16"), torch.float16),
