@@ -862,10 +862,14 @@ def staged_weights(spec: QuantSpec, n: int, k: int, half: str, chunks: int, slab
     @device
     def scale_word(buffer, local_slab, local_chunk, lane_id):
         """(where the lane's scales start, its zero-point word) in the slab's group."""
-        base = buffer * stage_words
+        base = buffer * stage_words + weight_words
         column = (local_slab * SLAB_K // group_size if stage_groups > 1 else 0) * chunks + local_chunk
-        return (base + weight_words + column * chunk_scale_words + (lane_id // 4) * scale_words,
-                base + weight_words + scale_total + column * 8 + lane_id // 4)
+        # The lane's eight columns among the stage's runs of eight: scale_words words of
+        # scales and one zero-point word each. One index for both addresses, which the
+        # warp-specialised GEMM keeps in a register under its cap of 96 (ptxas recomputed
+        # the two separate ones from the thread index every stage).
+        place = column * 8 + lane_id // 4
+        return base + place * scale_words, base + scale_total + place
 
     @device
     def fetch(tiles, buffer, local_slab, local_chunk, lane_id, raw):
