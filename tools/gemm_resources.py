@@ -22,11 +22,16 @@ alignment (plain `LDG.E`, under the other predicate) belong; an activation load 
 would read it unfinished (the sixty-first session's race). A listing to read beside the
 SASS, not a verdict: it does not follow branches (a plain `LDG.E` without a predicate may
 sit in a block only later CTAs run). With `--specialized`, the warp-specialised GEMM
-(`gemm_specialized`, the oracle's tiles) at Mixtral's two GEMMs: its HGMMA, its waits for all but the newest
-group (the main loop, pipelined) and for all groups, and the reads of accumulators
-(F2FP, FMUL) that the SASS places after an HGMMA but before a wait for all groups; that
-count must be 0 (the seventy-second session found ptxas had moved the stores' reads above
-a wait that came after the main loop).
+(`gemm_specialized`, the oracle's tiles; int4 with and without zero points, NVFP4) at
+Mixtral's two GEMMs: its HGMMA, its waits for all but the newest group (the main loop,
+pipelined) and for all groups, and the reads of accumulators (F2FP, FMUL) that the SASS
+places after an HGMMA but before a wait for all groups; that count must be 0 (the
+seventy-second session found ptxas had moved the stores' reads above a wait that came
+after the main loop). And the instructions a wgmma of its widest path: every SASS
+instruction from the first HGMMA of the tile's max_width to the last, over the HGMMA
+between them. That is the consumer warps' work a slab, which bounds the GEMM where
+decoding, not the tensor cores, is the limit (eighty-seventh session: zero points at
+34.5 against symmetric int4's 27.2, and what brought them down).
 """
 
 from __future__ import annotations
@@ -143,14 +148,15 @@ def loads_before_wait(spec: QuantSpec, tile: GemmTile) -> str:
 
 
 def specialized_waits(spec: QuantSpec, n: int, k: int, tile, blocked: bool) -> str:
-    """Registers, HGMMA, waits and accumulator reads before a full wait in the SASS of the
-    warp-specialised GEMM with `tile` for weights (n, k) an expert."""
+    """Registers, HGMMA, waits, accumulator reads before a full wait and instructions a
+    wgmma in the SASS of the warp-specialised GEMM with `tile` for weights (n, k) an expert."""
     kernel, _, _ = make_specialized_kernel(spec, n, k, "bfloat16", tile, blocked)
     ids = np.zeros(16, np.int32)
     compiled = compile_kernel(kernel, ids, _kernel_arrays(spec, (2, 256, 256)), ids, ids, ids,
                               np.zeros((16, n), np.int16))
+    code = sass(compiled.ptx)
     pending, early, counts = False, 0, {"HGMMA": 0, "gsb0, 0x1": 0, "gsb0, 0x0": 0}
-    for line in sass(compiled.ptx).splitlines():
+    for line in code.splitlines():
         counts.update({key: counts[key] + 1 for key in counts if key in line})
         if "HGMMA" in line or "DEPBAR.LE gsb0, 0x0" in line:
             pending = "HGMMA" in line
@@ -159,7 +165,16 @@ def specialized_waits(spec: QuantSpec, n: int, k: int, tile, blocked: bool) -> s
     registers = re.findall(r"Used (\d+) registers", compiled.report)
     spills = re.findall(r"(\d+) bytes spill stores", compiled.report)
     return (f"registers {registers}, spill stores {spills}, HGMMA {counts['HGMMA']}, waits for all but one "
-            f"{counts['gsb0, 0x1']}, for all {counts['gsb0, 0x0']}, accumulator reads before a wait for all {early}")
+            f"{counts['gsb0, 0x1']}, for all {counts['gsb0, 0x0']}, accumulator reads before a wait for all {early}, "
+            f"instructions a wgmma at {tile.max_width} wide {instructions_per_wgmma(code, tile.max_width):.1f}")
+
+
+def instructions_per_wgmma(code: str, width: int) -> float:
+    """SASS instructions from the first HGMMA of `width` columns to the last, per HGMMA
+    between them (the main loop's and its last round's, unrolled)."""
+    lines = [line for line in code.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/\s+\S", line)]
+    wgmma = [i for i, line in enumerate(lines) if f"HGMMA.64x{width}x16" in line]
+    return (wgmma[-1] - wgmma[0]) / (len(wgmma) - 1) if len(wgmma) > 1 else float("nan")
 
 
 def main(argv=None) -> None:
@@ -173,9 +188,11 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.specialized:
         tiles = [getattr(moe.oracle, name) for name in moe.oracle.SPECIALIZED_TILE_NAMES]
-        for spec, tile in itertools.product((formats.native(4, 128), formats.native(fp4=True)), tiles):
+        specs = (formats.native(4, 128), formats.native(4, 128, zero_points=True), formats.native(fp4=True))
+        for spec, tile in itertools.product(specs, tiles):
+            label = spec.name + (" zero points" if spec.zeros else "")
             for name, n, k, blocked in (("gemm1", 28672, 4096, True), ("gemm2", 4096, 14336, False)):
-                print(f"{spec.name:12s} {tile.max_width} wide {name} (N={n}, K={k}): "
+                print(f"{label:24s} {tile.max_width} wide {name} (N={n}, K={k}): "
                       f"{specialized_waits(spec, n, k, tile, blocked)}", flush=True)
         return
     report = digest if args.digest else loads_before_wait if args.before_wait else resources
