@@ -107,6 +107,11 @@ class HalfConstants:
     ue5m3_shift: int
     ue5m3_top: int
 
+    @property
+    def minus_magic_top(self) -> int:
+        """The top byte of -magic, which `zero_point_byte`'s permute puts above a zero point."""
+        return (self.int4_magic ^ 0x80008000) >> 8 & 0xFF
+
 HALF_CONSTANTS = {
     "bfloat16": HalfConstants(one=0x3F803F80, int4_magic=0x43004300, int4_magic_value=128.0,
                               fp4_shift=6, fp4_unbias_pair=0x7E807E80, ue5m3_shift=4, ue5m3_top=0x07),
@@ -485,7 +490,7 @@ def _marlin_tile_reader(spec: QuantSpec, n: int, k: int, half: str, lane: LaneSc
     groups, zero_shifts = (lane.groups, lane.zero_shifts) if lane else (1, ())
     scale_place, zero_place = (lane.scale_place(), lane.zero_place()) if lane else (None, None)
     zero_bytes = tuple(zero_point_byte(shift) for shift in zero_shifts)
-    minus_magic_top = uint32(((constants.int4_magic ^ 0x80008000) >> 8 & 0xFF) * 0x01010101)
+    minus_magic_top = uint32(constants.minus_magic_top * 0x01010101)
     fixed_bits = int(round_to_half_bits(np.float64(-(constants.int4_magic_value + (spec.code.bias or 0))), half))
     fixed_offset_pair = uint32(fixed_bits | fixed_bits << 16)
     # ue5m3 scale bytes, as half pairs in two instructions (`fp4_scales`).

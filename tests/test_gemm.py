@@ -157,18 +157,17 @@ def test_zero_points_with_scattered_bits_are_read_through_their_index_maps():
     assert_close(*run_case(spec, (2, 64, 64), tokens=2, top_k=2, tile=DECODE))
 
 
-@pytest.mark.parametrize("half", ["bfloat16", "float16"])
-def test_a_zero_point_at_any_bit_becomes_minus_magic_plus_it_in_one_byte_permute(half):
+@pytest.mark.parametrize("half, as_bits", [("bfloat16", lambda x: int(np.float32(x).view(np.uint32)) >> 16),
+                                           ("float16", lambda x: int(np.float16(x).view(np.uint16)))])
+def test_a_zero_point_at_any_bit_becomes_minus_magic_plus_it_in_one_byte_permute(half, as_bits):
     """The prefetched zero point's offset pair: `zero_point_byte`'s shift and selector, for a
     nibble at every bit of its word, against -(magic + z) in both halves."""
     constants = HALF_CONSTANTS[half]
-    top = ((constants.int4_magic ^ 0x80008000) >> 8 & 0xFF) * 0x01010101
     for shift, zero in itertools.product(range(29), range(16)):
-        word = np.uint32((0xFFFFFFFF ^ 0xF << shift | zero << shift) & 0xFFFFFFFF)  # other bits set: masked out
+        word = (0xFFFFFFFF ^ 0xF << shift | zero << shift) & 0xFFFFFFFF  # the other bits set: masked out
         right, selector = zero_point_byte(shift)
-        pair = int(twins.byte_perm((int(word) >> right) & 0x0F0F0F0F, top, selector))
-        minus = int(np.float32(-(constants.int4_magic_value + zero)).view(np.uint32)) >> 16 if half == "bfloat16" \
-            else int(np.float16(-(constants.int4_magic_value + zero)).view(np.uint16))
+        pair = int(twins.byte_perm(word >> right & 0x0F0F0F0F, constants.minus_magic_top * 0x01010101, selector))
+        minus = as_bits(-(constants.int4_magic_value + zero))
         assert pair == minus | minus << 16, (shift, zero)
 
 
