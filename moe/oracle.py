@@ -428,6 +428,23 @@ def tuned_tables(architecture: str) -> dict:
     return {path.stem: json.loads(path.read_text()) for path in sorted((TUNED_DIR / architecture).glob("*.json"))}
 
 
+# (device, shape keys) -> (the tables merged, their entries): `select_backend` asks on every
+# eager forward, and the merge is the same until `tuned_tables` reads the files again.
+_MERGED_ENTRIES: dict = {}
+
+
+def _merge_entries(tables: dict, own: str, keys: tuple[str, ...]) -> tuple[str | None, dict]:
+    """`tuned_entries` of `tables` for device `own` and shape keys `keys`."""
+    sources, entries = [], {}
+    for key in keys:
+        sibling = next((device for device in sorted(tables) if device != own and key in tables[device]), None)
+        for device in (own, sibling):
+            found = {m: entry for m, entry in tables.get(device, {}).get(key, {}).items() if m not in entries}
+            sources += [device] * bool(found)
+            entries.update(found)
+    return (" + ".join(dict.fromkeys(sources)) or None), entries
+
+
 def tuned_entries(config: MoEConfig, spec: QuantSpec) -> tuple[str | None, dict]:
     """(source, {num_tokens: backend dict}): the tuned entries of this shape from this
     device's own table, topped up, token count by token count, by the first (by name)
@@ -437,18 +454,15 @@ def tuned_entries(config: MoEConfig, spec: QuantSpec) -> tuple[str | None, dict]
     count, so a GPU re-tunes the counts where it differs and keeps its sibling's
     elsewhere); then the same for the next of `shape_keys` (zero points: the entries without
     them). `source` names the tables that gave entries, this device's first
-    ("NVIDIA_H100_80GB_HBM3 + NVIDIA_H200"); (None, {}) where none has the shape."""
+    ("NVIDIA_H100_80GB_HBM3 + NVIDIA_H200"); (None, {}) where none has the shape. The
+    dictionary is shared between calls: read it, do not change it."""
     if not USE_TUNED:
         return None, {}
-    tables, own = tuned_tables(device_architecture()), device_name()
-    sources, entries = [], {}
-    for key in shape_keys(config, spec):
-        sibling = next((device for device in sorted(tables) if device != own and key in tables[device]), None)
-        for device in (own, sibling):
-            found = {m: entry for m, entry in tables.get(device, {}).get(key, {}).items() if m not in entries}
-            sources += [device] * bool(found)
-            entries.update(found)
-    return (" + ".join(dict.fromkeys(sources)) or None), entries
+    tables, own, keys = tuned_tables(device_architecture()), device_name(), tuple(shape_keys(config, spec))
+    merged = _MERGED_ENTRIES.get((own, keys))
+    if merged is None or merged[0] is not tables:  # first asked, or the tables were read again
+        merged = _MERGED_ENTRIES[own, keys] = tables, _merge_entries(tables, own, keys)
+    return merged[1]
 
 
 def backend_from_dict(value: dict) -> Backend:
