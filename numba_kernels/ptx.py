@@ -498,16 +498,29 @@ def _gpu_warpgroup(half: str, n: int, a_in_shared: bool):
 
     def descriptor(context, builder, arg_types, values):
         """The 64-bit matrix descriptor of (shared, offset, lbo, sbo): bits 17 .. 4 of the
-        shared address, of lbo (at bit 16) and of sbo (at 32)."""
-        i64 = ir.IntType(64)
-        address = builder.ptrtoint(_shared_pointer(context, builder, arg_types[0], values[0], arg_types[1], values[1]), i64)
+        shared address (at bit 0), of lbo (at 16) and of sbo (at 32). A CTA's shared memory
+        is below 2**18 bytes, and wgmma's operands and the arrays start at multiples of 16
+        bytes, so the address field is the array's base over 16 plus the offset's bytes
+        over 16, no mask: with a constant offset, a wgmma's descriptor is one 32-bit add
+        to a word computed once (each masked and shifted, as a 64-bit sum, it had taken
+        seven uniform instructions a wgmma)."""
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        struct = context.make_array(arg_types[0])(context, builder, value=values[0])
+        base = builder.ptrtoint(builder.addrspacecast(struct.data, ir.PointerType(struct.data.type.pointee, addrspace=3)),
+                                i32)
+        item_bytes = context.get_abi_sizeof(context.get_data_type(arg_types[0].dtype))
+        offset_bytes = builder.mul(context.cast(builder, values[1], arg_types[1], types.uint32),
+                                   ir.Constant(i32, item_bytes))
 
-        def field(value, shift):
-            return builder.shl(builder.and_(builder.lshr(value, ir.Constant(i64, 4)), ir.Constant(i64, 0x3FFF)),
-                               ir.Constant(i64, shift))
+        def field(value, type_):
+            value = context.cast(builder, value, type_, types.uint32)
+            return builder.and_(builder.lshr(value, ir.Constant(i32, 4)), ir.Constant(i32, 0x3FFF))
 
-        lbo, sbo = (context.cast(builder, values[i], arg_types[i], types.int64) for i in (2, 3))
-        return builder.or_(builder.or_(field(address, 0), field(lbo, 16)), field(sbo, 32))
+        four = ir.Constant(i32, 4)
+        low = builder.add(builder.add(builder.lshr(base, four), builder.shl(field(values[2], arg_types[2]), ir.Constant(i32, 16))),
+                          builder.lshr(offset_bytes, four))
+        high = builder.shl(builder.zext(field(values[3], arg_types[3]), i64), ir.Constant(i64, 32))
+        return builder.or_(builder.zext(low, i64), high)
 
     def multiply(context, builder, sig, args, operands, acc: int):
         """The asm statement on `operands`, the accumulators of args[acc], args[acc + 1]."""
