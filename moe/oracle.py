@@ -149,9 +149,16 @@ def split_to_fill(tile: GemmTile, config: MoEConfig, num_tokens: int, n: int, k:
     (each split keeping two stages of slabs or more)."""
     ctas = expected_blocks(config, num_tokens, tile.block_m) * -(-n // tile.block_n)
     slabs = -(-k // SLAB_K)
-    split_k = 1
-    while ctas * split_k < 2 * multiprocessors() and slabs // (2 * split_k) >= tile.stage_slabs:
+    split_k, enough = 1, 2 * multiprocessors()
+    while ctas * split_k < enough and slabs // (2 * split_k) >= tile.stage_slabs:
         split_k *= 2
+    return _with_split_k(tile, split_k)
+
+
+@functools.cache
+def _with_split_k(tile: GemmTile, split_k: int) -> GemmTile:
+    """`tile` split `split_k` ways along K, made once: the oracle picks on every eager
+    forward, and a tile's checks cost more than the rest of the choice."""
     return attrs.evolve(tile, split_k=split_k)
 
 
@@ -428,13 +435,14 @@ def tuned_tables(architecture: str) -> dict:
     return {path.stem: json.loads(path.read_text()) for path in sorted((TUNED_DIR / architecture).glob("*.json"))}
 
 
-# (device, shape keys) -> (the tables merged, their entries): `select_backend` asks on every
-# eager forward, and the merge is the same until `tuned_tables` reads the files again.
+# (device, shape keys) -> (the tables merged, their merge: source, entries, and the entries
+# as backends): `select_backend` asks on every eager forward, and the merge is the same
+# until `tuned_tables` reads the files again.
 _MERGED_ENTRIES: dict = {}
 
 
-def _merge_entries(tables: dict, own: str, keys: tuple[str, ...]) -> tuple[str | None, dict]:
-    """`tuned_entries` of `tables` for device `own` and shape keys `keys`."""
+def _merge_entries(tables: dict, own: str, keys: tuple[str, ...]) -> tuple[str | None, dict, dict]:
+    """`_tuned` of `tables` for device `own` and shape keys `keys`."""
     sources, entries = [], {}
     for key in keys:
         sibling = next((device for device in sorted(tables) if device != own and key in tables[device]), None)
@@ -442,7 +450,20 @@ def _merge_entries(tables: dict, own: str, keys: tuple[str, ...]) -> tuple[str |
             found = {m: entry for m, entry in tables.get(device, {}).get(key, {}).items() if m not in entries}
             sources += [device] * bool(found)
             entries.update(found)
-    return (" + ".join(dict.fromkeys(sources)) or None), entries
+    backends = {int(m): backend_from_dict(entry) for m, entry in entries.items()}
+    return (" + ".join(dict.fromkeys(sources)) or None), entries, backends
+
+
+def _tuned(config: MoEConfig, spec: QuantSpec) -> tuple[str | None, dict, dict]:
+    """`tuned_entries`, and its entries as backends by token count (parsed once: a tile's
+    checks cost more than the rest of `select_backend`)."""
+    if not USE_TUNED:
+        return None, {}, {}
+    tables, own, keys = tuned_tables(device_architecture()), device_name(), tuple(shape_keys(config, spec))
+    merged = _MERGED_ENTRIES.get((own, keys))
+    if merged is None or merged[0] is not tables:  # first asked, or the tables were read again
+        merged = _MERGED_ENTRIES[own, keys] = tables, _merge_entries(tables, own, keys)
+    return merged[1]
 
 
 def tuned_entries(config: MoEConfig, spec: QuantSpec) -> tuple[str | None, dict]:
@@ -456,13 +477,8 @@ def tuned_entries(config: MoEConfig, spec: QuantSpec) -> tuple[str | None, dict]
     them). `source` names the tables that gave entries, this device's first
     ("NVIDIA_H100_80GB_HBM3 + NVIDIA_H200"); (None, {}) where none has the shape. The
     dictionary is shared between calls: read it, do not change it."""
-    if not USE_TUNED:
-        return None, {}
-    tables, own, keys = tuned_tables(device_architecture()), device_name(), tuple(shape_keys(config, spec))
-    merged = _MERGED_ENTRIES.get((own, keys))
-    if merged is None or merged[0] is not tables:  # first asked, or the tables were read again
-        merged = _MERGED_ENTRIES[own, keys] = tables, _merge_entries(tables, own, keys)
-    return merged[1]
+    source, entries, _ = _tuned(config, spec)
+    return source, entries
 
 
 def backend_from_dict(value: dict) -> Backend:
@@ -510,15 +526,15 @@ def select_backend(config: MoEConfig, num_tokens: int, spec: QuantSpec, *, speci
     `heuristic_first` says so."""
     if num_tokens < 1:
         raise ValueError(f"num_tokens must be positive, got {num_tokens}")
-    _, entries = tuned_entries(config, spec)
-    measured = max((int(m) for m in entries if int(m) <= num_tokens < TUNED_REACH * int(m)), default=None)
+    _, entries, backends = _tuned(config, spec)
+    measured = max((m for m in backends if m <= num_tokens < TUNED_REACH * m), default=None)
     entry = None if measured is None else entries[str(measured)]
     if specialized and (entry is None or heuristic_first(config, spec, entry, measured, num_tokens)):
         chosen = specialized_backend(config, num_tokens, spec)
         if chosen is not None:
             return chosen
     if entry is not None:
-        backend = backend_from_dict(entry)
+        backend = backends[measured]
         if backend.specialized is None and runs_on(config, spec, backend):
             return backend
         if backend.specialized is not None and specialized and specialized_allowed(config, spec):

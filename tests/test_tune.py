@@ -93,6 +93,7 @@ def test_a_device_without_a_table_takes_its_architecture_siblings(empty_tuned_di
     as_dict = moe.oracle.backend_to_dict
     assert moe.oracle.tuned_entries(CONFIG, spec) == ("A_GPU", {"2": as_dict(sibling), "8": as_dict(sibling)})
     assert select_backend(CONFIG, 2, spec) == sibling
+    assert select_backend(CONFIG, 2, spec) is select_backend(CONFIG, 2, spec)  # parsed once, until the files change
     save(CONFIG, {2: other})  # this device's own entry for M = 2; the sibling's still serves M = 8
     assert moe.oracle.tuned_entries(CONFIG, spec) == (f"{moe.oracle.device_name()} + A_GPU",
                                                       {"2": as_dict(other), "8": as_dict(sibling)})
