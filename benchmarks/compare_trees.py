@@ -15,6 +15,10 @@ entry of its tree as `bench_moe` times it (GEMMs replayed from a CUDA graph with
 launched early, the L2 flushed, median of 40 replays; then the layer), best of three
 attempts a round. Routings are drawn per job from a seed of its own, the same in every
 tree. Prints one line per job and tree: the best GEMM time of each round, in us.
+`--host` adds, for a change to the host code, the eager layer's host time a forward
+(replayed, as the layer runs by default) and the time of a forward with hooks, whose
+ordinary launches go through the oracle and the launch path every call
+(`bench_moe.eager_host`); with NUMBA_MOE_TUNED=0 in the environment, the untuned oracle's.
 """
 
 from __future__ import annotations
@@ -42,11 +46,11 @@ def parse_tree(tree: str) -> tuple[str, str]:
     return name, path
 
 
-def worker(tree: str, jobs: list[str], attempts: int = 3) -> None:
+def worker(tree: str, jobs: list[str], host: bool, attempts: int = 3) -> None:
     """Time `jobs` with the code of `tree` (imported from there); one JSON line per job."""
     sys.path[:0] = [tree, os.path.join(tree, "benchmarks")]
     import torch
-    from bench_moe import FORMATS, SHAPES, Timer, best_times, routing_for
+    from bench_moe import FORMATS, SHAPES, Timer, best_times, eager_host, routing_for
     from moe import MoEConfig, MoELayer
 
     timer = Timer()
@@ -60,7 +64,11 @@ def worker(tree: str, jobs: list[str], attempts: int = 3) -> None:
         hidden = torch.randn(tokens, config.hidden_size, generator=generator, device="cuda").to(torch.bfloat16)
         logits, topk_weights, topk_ids = routing_for(config, tokens, generator)
         gemm_ms, layer_ms, backend = best_times(timer, layer, hidden, logits, topk_weights, topk_ids, attempts)
-        return dict(job=job, gemm_us=gemm_ms * 1e3, layer_us=layer_ms * 1e3, backend=repr(backend))
+        figures = {}
+        if host:
+            eager = eager_host(layer, hidden, logits)
+            figures = dict(host_us=eager["eager_host_us"], hooked_us=eager["eager_ordinary_ms"] * 1e3)
+        return dict(job=job, gemm_us=gemm_ms * 1e3, layer_us=layer_ms * 1e3, backend=repr(backend), **figures)
 
     for job in jobs:
         print(json.dumps(time_job(job)), flush=True)
@@ -72,6 +80,7 @@ def main(argv=None) -> None:
     parser.add_argument("--trees", nargs="+", required=True, help="name=path of each source tree")
     parser.add_argument("--jobs", nargs="+", required=True, help="shape:format:M")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--host", action="store_true", help="also the eager layer's host time a forward")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: time --jobs under this tree
     args = parser.parse_args(argv)
     for job in args.jobs:
@@ -83,22 +92,23 @@ def main(argv=None) -> None:
         parser.error("it times the layer under each tree on a CUDA GPU and none is available here "
                      "(python -m moe runs without one)")
     if args.worker:
-        worker(args.worker, args.jobs)
+        worker(args.worker, args.jobs, args.host)
         return
     times = {(job, name): [] for job in args.jobs for name, _ in trees}
     for _ in range(args.rounds):
         for name, path in trees:
             command = [sys.executable, os.path.abspath(__file__), "--worker", path, "--trees", f"{name}={path}",
-                       "--jobs", *args.jobs]
+                       "--jobs", *args.jobs] + ["--host"] * args.host
             output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
             for line in output.splitlines():
                 if line.startswith("{"):
                     row = json.loads(line)
-                    times[row["job"], name].append((row["gemm_us"], row["layer_us"]))
+                    figures = ("gemm_us", "layer_us") + ("host_us", "hooked_us") * args.host
+                    times[row["job"], name].append([row[figure] for figure in figures])
     for (job, name), rounds in times.items():
-        gemms = " / ".join(f"{gemm:.2f}" for gemm, _ in rounds)
-        layers = " / ".join(f"{layer:.2f}" for _, layer in rounds)
-        print(f"{job:24s} {name:10s} GEMMs {gemms} us   layer {layers} us")
+        columns = [" / ".join(f"{value:.2f}" for value in column) for column in zip(*rounds)]
+        print(f"{job:24s} {name:10s} GEMMs {columns[0]} us   layer {columns[1]} us"
+              + ("   host {} us   hooked forward {} us".format(*columns[2:]) if args.host else ""))
 
 
 if __name__ == "__main__":

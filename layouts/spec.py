@@ -48,7 +48,7 @@ class Tensor:
         return f"{self.name} = {self.layout!r}"
 
 
-@attrs.frozen(cache_hash=True)  # a key of the kernels' caches, asked on every call: its permutations hash slowly
+@attrs.frozen(cache_hash=True)  # a key of caches the oracle reads at every choice: its permutations hash slowly
 class QuantSpec:
     """How one quantized weight (N, K) or (E, N, K) is stored; see the module docstring.
 

@@ -157,8 +157,8 @@ def split_to_fill(tile: GemmTile, config: MoEConfig, num_tokens: int, n: int, k:
 
 @functools.cache
 def _with_split_k(tile: GemmTile, split_k: int) -> GemmTile:
-    """`tile` split `split_k` ways along K, made once: the oracle picks on every eager
-    forward, and a tile's checks cost more than the rest of the choice."""
+    """`tile` split `split_k` ways along K, made once: a tile's checks cost more than the
+    rest of the oracle's choice, which forwards with hooks make every call."""
     return attrs.evolve(tile, split_k=split_k)
 
 
@@ -436,8 +436,8 @@ def tuned_tables(architecture: str) -> dict:
 
 
 # (device, shape keys) -> (the tables merged, their merge: source, entries, and the entries
-# as backends): `select_backend` asks on every eager forward, and the merge is the same
-# until `tuned_tables` reads the files again.
+# as backends): `select_backend` asks on every forward with hooks and every recording of a
+# replayed one, and the merge is the same until `tuned_tables` reads the files again.
 _MERGED_ENTRIES: dict = {}
 
 

@@ -792,8 +792,8 @@ def _stream_copies(stream: CopyStream, threads: int, n_chunks: int, chunks: int)
 def staging_supported(spec: QuantSpec, n: int, k: int, half: str, stage_slabs: int) -> bool:
     """Whether the prefill GEMM can stage `spec` through shared memory: Marlin tiles whose
     scales sit lane-contiguous (`lane_scales`), rows of whole 16-byte units, K in whole
-    slabs and scale groups that a stage never straddles. Kept: the oracle asks on every
-    call, and `lane_scales` checks every column and group."""
+    slabs and scale groups that a stage never straddles. Kept: the oracle asks at every
+    choice, and `lane_scales` checks every column and group."""
     lane = lane_scales(spec, n, k, half) if fast_path_supported(spec, half) else None
     if lane is None or k % SLAB_K or lane.zero_row_words % 4:
         return False
