@@ -37,11 +37,11 @@ def halves_to_f64(words, half: str) -> np.ndarray:
 def round_to_half_bits(values, half: str) -> np.ndarray:
     """float64 -> half bit patterns (uint16), one round-to-nearest-even step (normal range)."""
     values = np.asarray(values, np.float64)
-    if half == "float16":
-        return values.astype(np.float16).view(np.uint16)
-    mantissa, exponent = np.frexp(values)  # values = mantissa * 2**exponent, 0.5 <= |mantissa| < 1
-    rounded = np.ldexp(np.round(mantissa * 256.0), exponent - 8)  # 8 significant bits, ties to even
-    with np.errstate(over="ignore"):  # past bfloat16's range: infinity, as the hardware rounds
+    with np.errstate(over="ignore"):  # past the half's range: infinity, as the hardware rounds
+        if half == "float16":
+            return values.astype(np.float16).view(np.uint16)
+        mantissa, exponent = np.frexp(values)  # values = mantissa * 2**exponent, 0.5 <= |mantissa| < 1
+        rounded = np.ldexp(np.round(mantissa * 256.0), exponent - 8)  # 8 significant bits, ties to even
         bits = rounded.astype(np.float32).view(np.uint32) >> 16
     return np.where(np.isnan(values), 0x7FC0, bits).astype(np.uint16)
 
