@@ -95,6 +95,7 @@ def main(argv=None) -> None:
         worker(args.worker, args.jobs, args.host)
         return
     times = {(job, name): [] for job in args.jobs for name, _ in trees}
+    figures = ("gemm_us", "layer_us") + ("host_us", "hooked_us") * args.host
     for _ in range(args.rounds):
         for name, path in trees:
             command = [sys.executable, os.path.abspath(__file__), "--worker", path, "--trees", f"{name}={path}",
@@ -103,7 +104,6 @@ def main(argv=None) -> None:
             for line in output.splitlines():
                 if line.startswith("{"):
                     row = json.loads(line)
-                    figures = ("gemm_us", "layer_us") + ("host_us", "hooked_us") * args.host
                     times[row["job"], name].append([row[figure] for figure in figures])
     for (job, name), rounds in times.items():
         columns = [" / ".join(f"{value:.2f}" for value in column) for column in zip(*rounds)]

@@ -329,15 +329,20 @@ def _element_pointer(context, builder, array_type, array, offset_type, offset):
     return builder.gep(struct.data, [context.cast(builder, offset, offset_type, types.int64)])
 
 
-def _shared_pointer(context, builder, array_type, array, offset_type, offset):
-    """Shared-window address of flat element `offset` of a shared array. Numba hands
-    kernels a shared array's generic pointer; casting it back lets LLVM fold the pair of
-    casts into the array's symbol, so the address is a constant plus the offset."""
+def _shared_base(context, builder, array_type, array):
+    """Shared-window pointer to a shared array's first element. Numba hands kernels a
+    shared array's generic pointer; casting it back lets LLVM fold the pair of casts into
+    the array's symbol, so an address from it is a constant plus the offset."""
     from llvmlite import ir
 
     struct = context.make_array(array_type)(context, builder, value=array)
-    shared = builder.addrspacecast(struct.data, ir.PointerType(struct.data.type.pointee, addrspace=3))
-    return builder.gep(shared, [context.cast(builder, offset, offset_type, types.int64)])
+    return builder.addrspacecast(struct.data, ir.PointerType(struct.data.type.pointee, addrspace=3))
+
+
+def _shared_pointer(context, builder, array_type, array, offset_type, offset):
+    """Shared-window address of flat element `offset` of a shared array (`_shared_base`)."""
+    return builder.gep(_shared_base(context, builder, array_type, array),
+                       [context.cast(builder, offset, offset_type, types.int64)])
 
 
 def _check_flat(array, *offsets):
@@ -505,9 +510,7 @@ def _gpu_warpgroup(half: str, n: int, a_in_shared: bool):
         to a word computed once (each masked and shifted, as a 64-bit sum, it had taken
         seven uniform instructions a wgmma)."""
         i32, i64 = ir.IntType(32), ir.IntType(64)
-        struct = context.make_array(arg_types[0])(context, builder, value=values[0])
-        base = builder.ptrtoint(builder.addrspacecast(struct.data, ir.PointerType(struct.data.type.pointee, addrspace=3)),
-                                i32)
+        base = builder.ptrtoint(_shared_base(context, builder, arg_types[0], values[0]), i32)
         item_bytes = context.get_abi_sizeof(context.get_data_type(arg_types[0].dtype))
         offset_bytes = builder.mul(context.cast(builder, values[1], arg_types[1], types.uint32),
                                    ir.Constant(i32, item_bytes))
