@@ -94,7 +94,7 @@ def test_bench_rows_are_listed_in_the_tables_order_and_printed(monkeypatch, caps
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 @pytest.mark.parametrize("name,argv", [("bench_moe", ["--shapes", "qwen3", "--tokens", "1"]),
                                        ("compare_trees", ["--trees", "a=.", "--jobs", "qwen3:nvfp4:1"]),
-                                       ("specialized_ab", []), ("stage_blocks_rates", [])])
+                                       ("specialized_ab", []), ("stage_blocks_rates", []), ("part_widths", [])])
 def test_a_timing_script_without_a_gpu_says_it_needs_one(name, argv, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     try:
@@ -171,6 +171,31 @@ def test_specialized_ab_names_a_job_it_cannot_build(job, monkeypatch, capsys):
         sys.modules.pop("specialized_ab", None)
     err = capsys.readouterr().err
     assert f"--jobs: {job!r} names no shape" in err and "w4a16-g128-zp" in err
+
+
+def test_part_widths_routes_every_expert_the_same_count_and_names_a_bad_variant(monkeypatch, capsys):
+    """part_widths.py's routing gives each expert exactly the slots asked for (a token's
+    experts distinct), or says why it cannot; `--variants` fail by name before any GPU is
+    looked for."""
+    from moe import MoEConfig, QuantScheme
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    try:
+        widths = importlib.import_module("part_widths")
+        config = MoEConfig(num_experts=16, top_k=4, hidden_size=128, intermediate_size=64,
+                           quant=QuantScheme("native", bits=4, group_size=64))
+        weights, ids = widths.uniform_routing(config, 6, device="cpu")
+        assert ids.shape == (24, 4) and torch.bincount(ids.flatten().long()).tolist() == [6] * 16
+        assert all(len(set(row)) == 4 for row in ids.tolist()) and torch.all(weights == 0.25)
+        six = MoEConfig(num_experts=6, top_k=4, hidden_size=128, intermediate_size=64, quant=config.quant)
+        assert torch.bincount(widths.uniform_routing(six, 2, device="cpu")[1].flatten().long()).tolist() == [2] * 6
+        with pytest.raises(ValueError, match="must be a multiple of top_k"):
+            widths.uniform_routing(six, 3, device="cpu")
+        with pytest.raises(SystemExit):
+            widths.main(["--variants", "stages=6", "stages=1,max_width=128"])
+    finally:
+        sys.modules.pop("part_widths", None)
+    assert "stages in [2, 7]" in capsys.readouterr().err
 
 
 def test_replay_stress_says_where_outputs_differ_and_changes_the_oracles_tiles(monkeypatch):
