@@ -46,7 +46,7 @@ def uniform_routing(config: MoEConfig, per_expert: int, device: str = "cuda") ->
     return torch.full((tokens, top_k), 1.0 / top_k, device=device), ids.to(torch.int32)
 
 
-def kernel_times(timer: Timer, layer: MoELayer, topk_weights, topk_ids) -> dict[str, float]:
+def kernel_times(timer: Timer, layer: MoELayer, topk_weights, topk_ids) -> dict:
     """Each warp-specialised kernel of the layer alone (us) for the routed batch, and the
     count of parts at each width (from `picks`)."""
     config, weights = layer.config, layer.weights
@@ -68,8 +68,7 @@ def kernel_times(timer: Timer, layer: MoELayer, topk_weights, topk_ids) -> dict[
                                           tile, blocked=False, check_ids=False),
     }
     times = {}
-    for name, step in steps.items():  # in order: each reads what the one before wrote
-        step()
+    for name, step in steps.items():  # in order: each reads what the one before wrote (captured runs it first)
         times[name] = timer(captured(replaying(step)), repeats=30) * 1e3
     used = picks[picks >= 0]
     widths = torch.bincount(used.long(), minlength=len(tile.widths)).tolist()
