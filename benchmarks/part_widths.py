@@ -46,9 +46,10 @@ def uniform_routing(config: MoEConfig, per_expert: int, device: str = "cuda") ->
     return torch.full((tokens, top_k), 1.0 / top_k, device=device), ids.to(torch.int32)
 
 
-def kernel_times(timer: Timer, layer: MoELayer, topk_weights, topk_ids) -> dict:
+def specialized_times(timer: Timer, layer: MoELayer, topk_weights, topk_ids) -> dict:
     """Each warp-specialised kernel of the layer alone (us) for the routed batch, and the
-    count of parts at each width (from `picks`)."""
+    count of parts at each width (from `picks`). Not `bench_moe.kernel_times`: that one
+    records the layer with hooks, which never take the warp-specialised GEMM."""
     config, weights = layer.config, layer.weights
     hidden = torch.randn(topk_ids.shape[0], config.hidden_size, device="cuda").to(torch.bfloat16)
     inputs = check_inputs(config, weights, layer.workspace, hidden, topk=(topk_weights, topk_ids), check_ids=False)
@@ -104,8 +105,8 @@ def main(argv=None) -> None:
     moe.oracle.specialized_from = lambda config: 1
     max_tokens = max(args.tokens, max(args.widths) * config.num_experts // config.top_k)
     layers, weights = {}, None
-    for label, tile in tiles.items():  # a layer each (its buffers sized for its tile), the same weights
-        choose(tile)
+    for label, variant in tiles.items():  # a layer each (its buffers sized for its tile), the same weights
+        choose(variant)
         layers[label] = MoELayer(config, max_tokens=max_tokens)
         weights = layers[label].weights if weights is None else weights
         layers[label].weights = weights
@@ -118,7 +119,7 @@ def main(argv=None) -> None:
     for label, routing in routings:
         for name, layer in layers.items():
             choose(tiles[name])
-            print(line(f"{label}, {name}", kernel_times(timer, layer, *routing)), flush=True)
+            print(line(f"{label}, {name}", specialized_times(timer, layer, *routing)), flush=True)
 
 
 if __name__ == "__main__":
