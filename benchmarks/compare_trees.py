@@ -14,7 +14,8 @@ A job is shape:format:M (`bench_moe.SHAPES`, `bench_moe.FORMATS`), timed with th
 entry of its tree as `bench_moe` times it (GEMMs replayed from a CUDA graph with gemm2
 launched early, the L2 flushed, median of 40 replays; then the layer), best of three
 attempts a round. Routings are drawn per job from a seed of its own, the same in every
-tree. Prints one line per job and tree: the best GEMM time of each round, in us.
+tree. Prints each job's GEMM time as it ends, then one line per job and tree: the best
+GEMM time of each round, in us.
 `--host` adds, for a change to the host code, the eager layer's host time a forward
 (replayed, as the layer runs by default) and the time of a forward with hooks, whose
 ordinary launches go through the oracle and the launch path every call
@@ -96,15 +97,20 @@ def main(argv=None) -> None:
         return
     times = {(job, name): [] for job in args.jobs for name, _ in trees}
     figures = ("gemm_us", "layer_us") + ("host_us", "hooked_us") * args.host
-    for _ in range(args.rounds):
+    for round_number in range(1, args.rounds + 1):
         for name, path in trees:
             command = [sys.executable, os.path.abspath(__file__), "--worker", path, "--trees", f"{name}={path}",
                        "--jobs", *args.jobs] + ["--host"] * args.host
-            output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-            for line in output.splitlines():
-                if line.startswith("{"):
-                    row = json.loads(line)
-                    times[row["job"], name].append([row[figure] for figure in figures])
+            with subprocess.Popen(command, stdout=subprocess.PIPE, text=True) as process:
+                for line in process.stdout:
+                    if line.startswith("{"):
+                        row = json.loads(line)
+                        times[row["job"], name].append([row[figure] for figure in figures])
+                        # Each job as it ends: a run cut short by a time limit still says something.
+                        print(f"round {round_number} {name:10s} {row['job']:24s} GEMMs {row['gemm_us']:.2f} us",
+                              flush=True)
+            if process.returncode:
+                raise subprocess.CalledProcessError(process.returncode, command)
     for (job, name), rounds in times.items():
         columns = [" / ".join(f"{value:.2f}" for value in column) for column in zip(*rounds)]
         print(f"{job:24s} {name:10s} GEMMs {columns[0]} us   layer {columns[1]} us"
