@@ -33,7 +33,8 @@ The epilogue stores the outputs as halves, a row per slot: `blocked`, row block 
 block_m + the slot's place in its block (gemm1, whose output
 `stage_blocks.activate_blocks` turns into gemm2's stage blocks), or scattered to the
 slot's id in the alignment (gemm2, for the combine; the padding's sentinel id names a
-spare last row).
+spare last row). Each warp stages its tile of outputs in the ring, free once the main
+loop is done, and writes it back in 16-byte stores along the rows (`_epilogue`).
 """
 
 from __future__ import annotations
