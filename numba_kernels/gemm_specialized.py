@@ -33,7 +33,8 @@ The epilogue stores the outputs as halves, a row per slot: `blocked`, row block 
 block_m + the slot's place in its block (gemm1, whose output
 `stage_blocks.activate_blocks` turns into gemm2's stage blocks), or scattered to the
 slot's id in the alignment (gemm2, for the combine; the padding's sentinel id names a
-spare last row).
+spare last row). Each warp stages its tile of outputs in the ring, free once the main
+loop is done, and writes it back in 16-byte stores along the rows (`_epilogue`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ import itertools
 
 import attrs
 import torch
-from numba import cuda, float32, int16, uint32
+from numba import cuda, float32, uint32
 
 from . import interop, ptx
 from .fragments import CHUNK_N, SLAB_K, bulk_staging_supported, fragment_reader, staged_weights
@@ -128,8 +129,8 @@ def make_specialized_kernel(spec, n: int, k: int, half: str, tile: SpecializedTi
     """(kernel(act, weights, picks, expert_ids, rows, out), shared words, threads) for
     weights `spec` of shape (n, k) an expert: `act` the stage blocks (`stage_blocks`),
     `picks` each part's width index in `tile.widths` (-1: no slots), `expert_ids` and
-    `rows` (sorted_token_ids) the alignment's, `out` halves; grid (n / 128, blocks x
-    tile.sub_blocks)."""
+    `rows` (sorted_token_ids) the alignment's, `out` the output halves as int32 words (a
+    row of n / 2 words, 16-byte aligned); grid (n / 128, blocks x tile.sub_blocks)."""
     if not specialized_supported(spec, n, k, half):
         raise ValueError(f"{spec.name} at (n={n}, k={k}) cannot run on the warp-specialised GEMM: the native layout "
                          f"in column panels of {CHUNKS * CHUNK_N}, K in stages of {STEP_K} expected")
@@ -140,7 +141,7 @@ def make_specialized_kernel(spec, n: int, k: int, half: str, tile: SpecializedTi
     reader = fragment_reader(spec, n, k, half)
     fetch_group, fetch_scales, decode_group = staged.fetch_group, staged.fetch_group_scales, reader.decode_group
     scale_slabs = staged.scale_slabs  # a scale row's slabs in a stage
-    output_scale, raw_words, to_half = reader.output_scale, reader.raw_words, ptx.to_half(half)
+    output_scale, raw_words = reader.output_scale, reader.raw_words
     w_words, b_words = staged.stage_words, tile.block_words()
     b_ring = stages * w_words
     row_table = b_ring + stages * b_words  # the block's output rows, a word a slot
@@ -211,7 +212,8 @@ def make_specialized_kernel(spec, n: int, k: int, half: str, tile: SpecializedTi
 
         return step
 
-    zero_prefix, store_prefix = _column_stores(max(widths), row_table, to_half)
+    zero_prefix, store_paths = _epilogue(max_width, row_table, n // 2, stages, ptx.pack2(half))
+    assert 64 * max_width <= b_ring + stages * b_words  # the staged outputs fit in the ring
 
     def multiplier(index: int, width: int):
         """A warpgroup's whole part at widths[index], if that is the CTA's width: zero the
@@ -225,10 +227,10 @@ def make_specialized_kernel(spec, n: int, k: int, half: str, tile: SpecializedTi
         last_b = (steps - 1) % stages
         multiply_round = functools.reduce(chain, [multiplier_step(b, width, False) for b in range(stages)])
         last_round = functools.reduce(chain, [multiplier_step(b, width, b == last_b) for b in range(last_b + 1)])
-        zero_accumulators, store_outputs = zero_prefix[width // 8 - 1], store_prefix[width // 8 - 1]
+        zero_accumulators, store_outputs = zero_prefix[width // 8 - 1], store_paths[width // 8 - 1]
 
         @ptx.device
-        def run(width_index, shared, acc, raw, frags, weights, out, expert, feature, col, chunk, group, lane):
+        def run(width_index, shared, acc, raw, frags, weights, out, expert, warp, out_word, chunk, group, lane):
             if width_index == uint32(index):
                 zero_accumulators(acc)
                 first = uint32(0)
@@ -236,7 +238,7 @@ def make_specialized_kernel(spec, n: int, k: int, half: str, tile: SpecializedTi
                     multiply_round(first, shared, acc, raw, frags, chunk, group, lane)
                     first += uint32(stages)
                 last_round(first, shared, acc, raw, frags, chunk, group, lane)
-                store_outputs(acc, output_scale(weights, expert), out, shared, feature, col)
+                store_outputs(acc, output_scale(weights, expert), shared, out, warp, out_word, lane)
 
         return run
 
@@ -277,9 +279,10 @@ def make_specialized_kernel(spec, n: int, k: int, half: str, tile: SpecializedTi
             raw = cuda.local.array(raw_words, uint32)
             frags = cuda.local.array(frag_words, uint32)
             lane = tid % uint32(32)
-            multiply(width_index, shared, acc, raw, frags, weights, out, expert,
-                     first_chunk * uint32(CHUNK_N) + (tid // uint32(32)) * uint32(16) + lane // uint32(4),
-                     uint32(2) * (lane % uint32(4)), tid // uint32(WARPGROUP), (tid // uint32(32)) % uint32(4), lane)
+            warp = tid // uint32(32)  # its 16 features of the panel: 8 words of an output row
+            multiply(width_index, shared, acc, raw, frags, weights, out, expert, warp,
+                     first_chunk * uint32(CHUNK_N // 2) + warp * uint32(8), tid // uint32(WARPGROUP), warp % uint32(4),
+                     lane)
 
     return specialized, barriers + 2 * stages, threads
 
@@ -303,31 +306,74 @@ def _stage_issuer(copy_panel, steps: int, w_words: int, b_ring: int, b_words: in
     return issue_stage
 
 
-def _column_stores(max_width: int, row_table: int, to_half):
-    """(zero_prefix, store_prefix): for each width w (a multiple of 8), entry w / 8 - 1
-    zeroes, or stores, a thread's accumulators at that width. The four of n8 column tile
-    c hold features `feature` and feature + 8, slots 8 c + `col` and + 1 (their output
-    rows from the row table at word `row_table`). Built per tile in Python, so every
-    accumulator index is a constant (registers, not the stack); a width's tiles are the
-    first w / 8, so its zeroing and stores are a prefix of one chain, shared by the widths."""
+def _epilogue(max_width: int, row_table: int, row_words: int, stages: int, pack2):
+    """(zero_prefix, store_paths): for each width w (a multiple of 8), entry w / 8 - 1
+    zeroes, or stores, a thread's accumulators at that width. Built per n8 column tile in
+    Python, so every accumulator index is a constant (registers, not the stack).
 
-    def column_tile(c: int):
+    A warp's outputs are 16 features (8 words of an output row of `row_words` words) by w
+    slots. Stored straight from the accumulators they took 2-byte stores, each of a warp's
+    instructions four rows of 16 bytes: a 256-wide CTA's fixed time was 6.5 us, 4.3
+    without them (eighty-ninth session of benchmarks/LOG.md). So once both warpgroups'
+    wgmma are done (bar.sync stages + 1) the ring is free: each warp stages its tile there,
+    a slot's 16 features one row of 8 words (`stmatrix`, transposed: accumulator tile
+    (c, 2 h + r) is features g + 8 h, slots 8 c + 2 t + r), and writes it back in 16-byte
+    stores, 16 rows of 32 bytes an instruction. A slot's two 16-byte halves swap places
+    every 4 slots, so that a matrix's 8 rows fall in 32 distinct banks."""
+    consumers_done = ptx.barrier_sync(stages + 1, MULTIPLIERS)
+    load4, store4 = ptx.load_shared[4], ptx.store_words4
+    tile_words = 8 * max_width  # a warp's staged tile
+
+    @ptx.device
+    def staged(warp, slot, half):
+        """The word of `half` (features 8 half ..) of `slot` in the warp's staged tile."""
+        return warp * uint32(tile_words) + slot * uint32(8) + uint32(4) * (half ^ ((slot >> uint32(2)) & uint32(1)))
+
+    def column_zero(c: int):
         @ptx.device
         def zero(acc):
             for q in range(4):
                 acc[4 * c + q] = float32(0)
 
+        return zero
+
+    def column_pair(c: int, d: int):
+        """Stage column tiles c and d (one stmatrix of four matrices: (c, features 0..7),
+        (c, 8..15), (d, 0..7), (d, 8..15)); d = c stores tile c twice."""
+
         @ptx.device
-        def store(acc, scale, out, shared, feature, col):
-            for q in range(4):
-                row = shared[uint32(row_table + 8 * c + q % 2) + col]
-                out[row, feature + uint32(8 * (q // 2))] = int16(to_half(acc[4 * c + q] * scale))
+        def stage(acc, scale, shared, warp, lane):
+            j = lane // uint32(8)  # the matrix whose row this lane addresses
+            slot = uint32(8 * c) + (j // uint32(2)) * uint32(8 * (d - c)) + lane % uint32(8)
+            ptx.store_matrix4t(shared, staged(warp, slot, j % uint32(2)),
+                               pack2(acc[4 * c] * scale, acc[4 * c + 1] * scale),
+                               pack2(acc[4 * c + 2] * scale, acc[4 * c + 3] * scale),
+                               pack2(acc[4 * d] * scale, acc[4 * d + 1] * scale),
+                               pack2(acc[4 * d + 2] * scale, acc[4 * d + 3] * scale))
 
-        return zero, store
+        return stage
 
-    columns = [column_tile(c) for c in range(max_width // 8)]
-    return (list(itertools.accumulate([zero for zero, _ in columns], chain)),
-            list(itertools.accumulate([store for _, store in columns], chain)))
+    def store_path(width: int):
+        tiles, pieces = width // 8, 2 * width  # n8 column tiles; 16-byte pieces of a warp's tile
+        stage_tile = functools.reduce(chain, [column_pair(c, min(c + 1, tiles - 1)) for c in range(0, tiles, 2)])
+
+        @ptx.device
+        def store(acc, scale, shared, out, warp, out_word, lane):
+            consumers_done()
+            stage_tile(acc, scale, shared, warp, lane)
+            ptx.sync_warp()
+            for j in range(-(-pieces // 32)):
+                piece = uint32(32 * j) + lane
+                if pieces % 32 == 0 or piece < uint32(pieces):
+                    slot, half = piece >> uint32(1), piece & uint32(1)
+                    w0, w1, w2, w3 = load4(shared, staged(warp, slot, half))
+                    row = shared[uint32(row_table) + slot]
+                    store4(out, row * uint32(row_words) + out_word + uint32(4) * half, w0, w1, w2, w3)
+
+        return store
+
+    zero_prefix = list(itertools.accumulate([column_zero(c) for c in range(max_width // 8)], chain))
+    return zero_prefix, [store_path(width) for width in range(8, max_width + 1, 8)]
 
 
 def check_stage_blocks(name: str, blocks, parts: int, k: int, tile: SpecializedTile) -> torch.Tensor:
@@ -365,7 +411,7 @@ def specialized_gemm(act, weights, picks, expert_ids, rows, out, tile: Specializ
     blocks = expert_ids.shape[0]
     picks = check_picks(picks, blocks, tile)
     act = check_stage_blocks("act", act, picks.shape[0], k, tile)
-    out = interop.check_tensor("out", out, dtype=tuple(interop.HALF_NAMES), shape=(None, n))
+    out = interop.check_tensor("out", out, dtype=tuple(interop.HALF_NAMES), shape=(None, n), alignment=16)
     if blocked and out.shape[0] != blocks * tile.block_m:
         raise ValueError(f"out must have a row per slot of each block ({blocks} x {tile.block_m}), got "
                          f"{out.shape[0]} rows")
@@ -378,4 +424,4 @@ def specialized_gemm(act, weights, picks, expert_ids, rows, out, tile: Specializ
     kernel, words, threads = make_specialized_kernel(weights.spec, n, k, half, tile, blocked)
     launch_kernel(kernel, (n // (CHUNKS * CHUNK_N), picks.shape[0]), threads, interop.to_kernel(act),
                   weights.arrays(), interop.to_kernel(picks), interop.to_kernel(expert_ids), interop.to_kernel(rows),
-                  interop.to_kernel(out), shared_bytes=4 * words)
+                  interop.to_kernel(out.view(torch.int32)), shared_bytes=4 * words)

@@ -30,6 +30,10 @@ base, j, bytes)``                                            without registers
 ``commit_copies()``      cp.async.commit_group               close a pipeline stage
 ``wait_copies[n]()``     cp.async.wait_group n               all but the newest n stages
 ``ldmatrix4(s, i)``      ldmatrix.sync.m8n8.x4.shared.b16    A fragments from shared
+``store_matrix4t(s, i,   stmatrix.sync.m8n8.x4.trans         accumulators to shared
+w0, w1, w2, w3)``        .shared.b16                         memory, transposed
+``sync_warp()``          bar.warp.sync                       the warp's lanes' stores
+                                                             seen by its other lanes
 ``wait_for_previous()``  griddepcontrol.wait                 early-launched kernels
 ``release_next()``       griddepcontrol.launch_dependents    let the next kernel start
 ``warpgroup_mma(h, n)``  wgmma.mma_async.m64nNk16, A in      Hopper's asynchronous
@@ -394,29 +398,29 @@ def _gpu_word_load(count: int, space: str):
     return _gpu_read(asm, count, _shared_pointer if space == "shared" else _element_pointer, ordered=space != "global.nc")
 
 
-def _gpu_word_store():
-    """store_words4 as an intrinsic: four words to flat element `offset` of a C-contiguous
-    32-bit global array, one 16-byte store (the address aligned to 16)."""
+def _gpu_store4(name: str, asm: str, address):
+    """An intrinsic (array, flat offset, w0, w1, w2, w3) -> None emitting `asm` ($0 the
+    address from `address`, $1 .. $4 the words) on a C-contiguous 32-bit array, kept in
+    place."""
     from llvmlite import ir
     from numba.cuda.extending import intrinsic
 
     @intrinsic
-    def store_words4(typingctx, array, offset, w0, w1, w2, w3):
+    def store4(typingctx, array, offset, w0, w1, w2, w3):
         _check_flat(array, offset)
         if array.dtype.bitwidth != 32 or not all(isinstance(word, types.Integer) for word in (w0, w1, w2, w3)):
-            raise TypeError(f"store_words4 stores integer words to a 32-bit array, got {array}, {(w0, w1, w2, w3)}")
+            raise TypeError(f"{name} stores integer words to a 32-bit array, got {array}, {(w0, w1, w2, w3)}")
 
         def codegen(context, builder, sig, args):
-            pointer = _element_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+            pointer = address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
             words = [context.cast(builder, word, kind, types.uint32) for word, kind in zip(args[2:], sig.args[2:])]
             i32 = ir.IntType(32)
-            _statement("st.global.v4.u32 [$0], {$1, $2, $3, $4};", (pointer.type, i32, i32, i32, i32),
-                       "l,r,r,r,r")(builder, (pointer, *words))
+            _statement(asm, (pointer.type, i32, i32, i32, i32), "l,r,r,r,r")(builder, (pointer, *words))
             return context.get_dummy_value()
 
         return types.void(array, offset, w0, w1, w2, w3), codegen
 
-    return store_words4
+    return store4
 
 
 def _statement(asm, operand_types=(), constraints=""):
@@ -688,7 +692,17 @@ load_shared = {n: twins.load_words(n) if SIMULATED else _gpu_word_load(n, "share
 # offset + 3 of a C-contiguous 32-bit array, one 16-byte store (offset a multiple of 4,
 # the array 16-byte aligned): four scalar stores at a 16-byte stride across a warp's
 # lanes made the L2 take each warp's 512 bytes four times over.
-store_words4 = twins.store_words4 if SIMULATED else _gpu_word_store()
+store_words4 = twins.store_words4 if SIMULATED else _gpu_store4(
+    "store_words4", "st.global.v4.u32 [$0], {$1, $2, $3, $4};", _element_pointer)
+# store_matrix4t(shared, i, w0, w1, w2, w3): four 8x8 half matrices of the warp, each lane
+# holding (row g, columns 2t, 2t + 1) of matrix j in word j as mma's accumulator tiles
+# do, stored transposed: row r of matrix j (column r of the lane's view) as 16 bytes at
+# word i of lane 8j + r of a uint32 shared array (a multiple of 4).
+store_matrix4t = twins.store_matrix4t if SIMULATED else _gpu_store4(
+    "store_matrix4t", "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [$0], {$1, $2, $3, $4};", _shared_pointer)
+# sync_warp(): the warp's lanes meet, and each one's shared-memory stores before it are
+# seen by the others' loads after it (the simulator's twins write at once: a no-op there).
+sync_warp = twins.no_op if SIMULATED else _gpu_statement("bar.warp.sync -1;")
 # load_coherent(array, offset): the 32-bit word at flat element `offset` of a 32-bit array,
 # cached in L2 only: words another CTA of the same launch wrote (published by `arrive`:
 # `epilogue`), or an earlier kernel wrote and this one reads before `wait_for_previous`

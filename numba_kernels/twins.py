@@ -446,6 +446,22 @@ def ldmatrix4(shared, offset):
     return warp.meet(lane, int(offset), load)[lane]
 
 
+def store_matrix4t(shared, offset, w0, w1, w2, w3):
+    lane, warp = _warp()
+    flat = shared.reshape(-1)
+
+    def store(lanes):  # every lane's words and row address taken at once, as the instruction does
+        for j in range(4):
+            halves = np.array([[int(lanes[lane][1 + j]) >> 16 * h & 0xFFFF for h in (0, 1)] for lane in range(32)])
+            matrix = halves.reshape(8, 8)  # (row g, column 2t + h): lane 4g + t, half h
+            for r in range(8):
+                column = matrix[:, r]
+                for w in range(4):
+                    flat[lanes[8 * j + r][0] + w] = np.uint32(column[2 * w] | column[2 * w + 1] << 16)
+
+    warp.meet(lane, (int(offset), w0, w1, w2, w3), store)
+
+
 class NamedBarrier:
     """One of a simulated block's 16 hardware barriers: `threads` arrivals complete a
     phase; an arriving thread waits for its phase to complete (bar.sync) or goes on

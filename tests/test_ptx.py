@@ -467,6 +467,39 @@ def test_ldmatrix_gives_the_mma_a_fragments_of_a_padded_shared_tile():
     np.testing.assert_array_equal(frags, expected)
 
 
+def test_stmatrix_stores_the_accumulator_tiles_transposed():
+    """Lane 4g + t holds (row g, columns 2t, 2t + 1) of four 8 x 8 half matrices, one word
+    each, as mma's accumulator tiles do; `store_matrix4t` writes row r of matrix j's
+    transpose (its column r) as 16 bytes where lane 8j + r points, and after `sync_warp`
+    every lane reads what the others stored."""
+    @ptx.kernel
+    def run(words, out):
+        lane = cuda.threadIdx.x
+        tile = cuda.shared.array(160, uint32)
+        j, r = lane // 8, lane % 8
+        ptx.store_matrix4t(tile, j * 40 + (7 - r) * 4, uint32(words[lane, 0]), uint32(words[lane, 1]),
+                           uint32(words[lane, 2]), uint32(words[lane, 3]))  # rows placed in reverse, 40 words apart
+        ptx.sync_warp()
+        for w in range(5):
+            out[(lane + 1) % 32, w] = tile[((lane + 1) % 32) * 5 + w]  # each lane reads another's words
+
+    rng = np.random.default_rng(4)
+    words = rng.integers(0, 2**32, (32, 4), dtype=np.uint64).astype(np.uint32)
+    out = np.zeros((32, 5), np.uint32)
+    run[1, 32](words.view(np.int32), out)
+    halves = np.stack([words & 0xFFFF, words >> 16], axis=-1)  # (lane, matrix, half)
+    expected = np.zeros(160, np.uint32)
+    for j in range(4):
+        matrix = halves[:, j].reshape(8, 8)  # (row g, column 2t + h)
+        for r in range(8):
+            column = matrix[:, r]
+            expected[j * 40 + (7 - r) * 4: j * 40 + (7 - r) * 4 + 4] = column[0::2] | column[1::2] << 16
+    filled = np.zeros(160, bool)
+    for j in range(4):
+        filled[j * 40: j * 40 + 32] = True
+    np.testing.assert_array_equal(out.reshape(-1)[filled], expected[filled])
+
+
 def test_grid_dependency_controls_leave_a_kernel_s_results_alone():
     """`wait_for_previous` and `release_next` compile and run anywhere (no-ops before
     Hopper and under the simulator); `test_launch` checks what they order on the GPU."""

@@ -410,6 +410,9 @@ def test_bad_arguments_fail_by_name_before_any_kernel():
         specialized_gemm(stage, weights, picks, alignment[1], alignment[0], out, TILE, blocked=True)
     with pytest.raises(ValueError, match="out must have shape"):
         specialized_gemm(stage, weights, picks, alignment[1], alignment[0], out[:, :64], TILE, blocked=False)
+    with pytest.raises(ValueError, match="out must start at a 16-byte aligned address"):  # 16-byte stores
+        shifted = torch.zeros(9 * 128 + 4, dtype=torch.bfloat16, device=DEVICE)[4:].view(9, 128)  # 8 bytes in
+        specialized_gemm(stage, weights, picks, alignment[1], alignment[0], shifted, TILE, blocked=False)
     with pytest.raises(TypeError, match="weights must be KernelWeights"):
         specialized_gemm(stage, weights.tensors, picks, alignment[1], alignment[0], out, TILE, blocked=False)
     gate_up = torch.zeros(blocks * TILE.block_m, 256, dtype=torch.bfloat16, device=DEVICE)

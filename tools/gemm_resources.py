@@ -153,7 +153,7 @@ def specialized_waits(spec: QuantSpec, n: int, k: int, tile, blocked: bool) -> s
     kernel, _, _ = make_specialized_kernel(spec, n, k, "bfloat16", tile, blocked)
     ids = np.zeros(16, np.int32)
     compiled = compile_kernel(kernel, ids, _kernel_arrays(spec, (2, 256, 256)), ids, ids, ids,
-                              np.zeros((16, n), np.int16))
+                              np.zeros((16, n // 2), np.int32))
     code = sass(compiled.ptx)
     pending, early, counts = False, 0, {"HGMMA": 0, "gsb0, 0x1": 0, "gsb0, 0x0": 0}
     for line in code.splitlines():
