@@ -151,7 +151,10 @@ from . import lean_compile, twins
 
 SIMULATED = bool(config.ENABLE_CUDASIM)
 if SIMULATED:
-    twins.share_block_arrays()
+    from . import simulator
+
+    simulator.share_block_arrays()
+    simulator.wake_barriers_on_arrival()
 
 HALF_TYPES = ("bfloat16", "float16")
 

@@ -18,7 +18,6 @@ module swap, no lock per call). One serves the GPU's host side too:
 
 from __future__ import annotations
 
-import sys
 import threading
 
 import numpy as np
@@ -149,35 +148,6 @@ class Group:
             if self.error is not None:
                 raise self.error
             return self.result  # the next instruction cannot complete before this member arrives
-
-
-def share_block_arrays() -> None:
-    """Give every thread of a simulated block one `cuda.shared.array` per line, as a GPU does.
-
-    The simulator keys a block's shared arrays by the line that declares them and makes
-    one on first use, but not in one step: two threads reaching the line together could
-    each find none and make their own, and the one whose array was replaced kept a
-    private copy. Its writes went unseen and the others read uninitialised memory (the
-    fused combine read out of bounds in CI once `tests/conftest.py` switched threads 5x
-    more often). `dict.setdefault` makes the lookup and the insertion one step."""
-    from numba.cuda import types
-    from numba.cuda.np import numpy_support
-    from numba.cuda.simulator.kernelapi import FakeCUDAShared
-
-    dynamic_or_aligned = FakeCUDAShared.array  # one buffer made up front; or an error
-
-    def array(self, shape, dtype, alignment=None):
-        if shape == 0 or alignment is not None:
-            return dynamic_or_aligned(self, shape, dtype, alignment)
-        caller = sys._getframe(1)
-        key = (caller.f_code.co_filename, caller.f_lineno)
-        found = self._allocations.get(key)
-        if found is None:
-            dtype = numpy_support.as_dtype(dtype) if isinstance(dtype, types.Type) else dtype
-            found = self._allocations.setdefault(key, np.empty(shape, dtype))
-        return found
-
-    FakeCUDAShared.array = array
 
 
 _block_state_lock = threading.Lock()

@@ -22,12 +22,12 @@ settings.register_profile(
 settings.register_profile("gpu", max_examples=40, deadline=None)
 settings.load_profile("sim" if SIMULATED else "gpu")
 
-# The simulator runs a block's threads as Python threads while its own thread polls them in
-# a loop: in Python's default 5 ms turns of the GIL that loop took most of it whenever the
-# block's threads waited on one another (a warp's collective instructions, barriers). In
-# 1 ms turns, on the 2-core CI machine: the warp-specialised layer's replay test alone 82
-# to 93 s instead of 154 to 164; test_specialized.py and test_tune.py on two workers 272 s
-# instead of 290.
+# The simulator runs a block's threads as Python threads, which hand the GIL on in turns; the
+# warps' collective instructions and barriers make them wait on one another often. In 1 ms
+# turns instead of Python's default 5 ms, on the 2-core CI machine, the whole suite took
+# 346 s instead of 401 (ninety-fifth session; before `numba_kernels.simulator` stopped the
+# simulator's polling loop, whose share of the GIL the shorter turns mostly cut, 1 ms had
+# halved the warp-specialised layer's replay test).
 if SIMULATED:
     sys.setswitchinterval(0.001)
 

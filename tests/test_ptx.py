@@ -74,38 +74,6 @@ def test_mma_twin_fails_the_lanes_of_a_diverged_mma_instead_of_hanging(monkeypat
         half_warp_mma[1, 32](np.zeros(32, np.float32))
 
 
-@pytest.mark.skipif(not ptx.SIMULATED, reason="the simulator's shared arrays (twins.share_block_arrays)")
-def test_threads_declaring_a_shared_array_together_get_the_same_one():
-    """The simulator made a block's shared array on first use in two steps; threads that
-    reached the declaration together could each get one of their own."""
-    import threading
-    import time
-
-    from numba.cuda.simulator.kernelapi import FakeCUDAShared
-
-    class SlowLookups(dict):  # every other thread looks up too before any answer comes back
-        def get(self, key, default=None):
-            found = super().get(key, default)
-            time.sleep(0.02)
-            return found
-
-    shared, got = FakeCUDAShared(0), []
-    shared._allocations = SlowLookups()
-    meet = threading.Barrier(8)
-
-    def declare():
-        meet.wait()
-        got.append(shared.array(4, int32))  # one line: one array of the block
-
-    threads = [threading.Thread(target=declare) for _ in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert len(got) == 8 and all(array is got[0] for array in got)
-    assert got[0].shape == (4,) and got[0].dtype == np.int32
-
-
 @pytest.mark.parametrize("half", HALVES)
 @settings(max_examples=5)
 @given(seed=st.integers(0, 2**31 - 1))
