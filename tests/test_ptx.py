@@ -719,3 +719,16 @@ def test_warpgroup_twin_rejects_blocks_of_partial_warpgroups():
     with pytest.raises(ValueError, match="its warpgroup's 128 threads in the block"):
         _warpgroup_kernel(8, b_words.size)[1, 64](np.stack([a_frag[:64]] * 2), np.concatenate([b_words] * 2),
                                                   np.zeros((64, 4), np.float32), 128, 128)
+
+
+# Around the smallest normal numbers, the largest finite ones and the halves' own grids.
+_EDGES = [2.0**-14, 2.0**-14 - 2.0**-25, 2.0**-14 - 2.0**-26, 2.0**-126, 2.0**-126 * (1 - 2.0**-9), 65504.0, 65519.0,
+          65520.0, 3.3895e38, 3.3961e38, 1 + 2.0**-8, 1 + 2.0**-11, 0.0, -0.0]
+
+
+@pytest.mark.parametrize("half", HALVES)
+@given(value=st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from(_EDGES + [-v for v in _EDGES]))
+def test_scalar_rounding_of_the_twins_equals_the_vector_reference(half, value):
+    """`twins.round_half` (integer arithmetic, the GEMM twins' every weight) gives the bits
+    numpy's `round_to_half_bits` does, for any float64."""
+    assert twins.round_half(value, half) == int(round_to_half_bits(value, half))
