@@ -1,7 +1,7 @@
 """Two repairs to numba's CUDA simulator, the one place this package reaches into its internals.
 
 `ptx` applies both when it runs under the simulator (``NUMBA_ENABLE_CUDASIM=1``); on a GPU
-nothing here is imported. Each repair replaces one simulator method and keeps its meaning:
+nothing here is imported. Each repair replaces simulator methods and keeps their meaning:
 
 * `share_block_arrays`: one `cuda.shared.array` per declaring line and block, made in one
   step (the simulator could hand two threads two arrays).
