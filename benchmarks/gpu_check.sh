@@ -5,9 +5,10 @@
 #   bash benchmarks/gpu_check.sh [benchmark arguments...]
 # STEPS (any of tests, sanitize, bench), TESTS (pytest arguments), WORKERS, TEST_SECONDS,
 # SANITIZE ("memcheck racecheck" for both), SANITIZE_SECONDS and BENCH_SECONDS adjust it.
-# The whole `-m gpu` suite takes about 9.5 minutes with 16 workers (H200, 2026-11-25,
-# most of it compiling kernels), and the benchmark of one shape 3 to 4: a 10-minute
-# device call holds one of the two, so run them as separate calls:
+# The whole `-m gpu` suite takes about 7 minutes with 16 workers (H200, 2026-12-02, most of
+# it compiling kernels; tests/long_first.py starts the long tests first), and the benchmark
+# of one shape 3 to 4: a 10-minute device call holds one of the two, so run them as
+# separate calls:
 #   STEPS=tests bash benchmarks/gpu_check.sh
 #   STEPS=bench bash benchmarks/gpu_check.sh --shapes qwen3
 # An 80 GB card gets 7 workers (below): split the suite over two calls there, e.g.

@@ -6,6 +6,7 @@ used; everywhere else (CI) kernels run in the simulator and tests marked `gpu` a
 """
 
 import gc
+import os
 import sys
 
 import numba_kernels  # noqa: F401  (selects the simulator before numba loads)
@@ -13,6 +14,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from long_first import start_long_tests_first
 from numba_kernels.ptx import SIMULATED
 
 # The simulator runs ~5,000 threads a second: kernel properties get few examples there.
@@ -32,8 +34,10 @@ if SIMULATED:
     sys.setswitchinterval(0.001)
 
 
+@pytest.hookimpl(trylast=True)  # after `-m gpu` has deselected the rest
 def pytest_collection_modifyitems(config, items):
     if not SIMULATED:
+        start_long_tests_first(items, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
         return
     skip = pytest.mark.skip(reason="needs a real CUDA GPU (run `pytest -m gpu` there)")
     for item in items:

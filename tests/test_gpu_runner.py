@@ -307,6 +307,7 @@ def _fused_equals_separate(layer, hidden, logits, label: str) -> torch.Tensor:
     return separate
 
 
+@pytest.mark.long(70)
 @pytest.mark.parametrize("shape", sorted(REALISTIC))
 @pytest.mark.parametrize("quant", [QuantScheme("native", bits=4, group_size=128), QuantScheme("nvfp4")])
 def test_fused_reductions_equal_the_separate_kernels_bit_for_bit(shape, quant, monkeypatch):
@@ -333,6 +334,7 @@ def test_fused_reductions_equal_the_separate_kernels_bit_for_bit(shape, quant, m
         assert not layer.workspace.buffers(tokens, backend).arrivals.any()
 
 
+@pytest.mark.long(85)
 @pytest.mark.parametrize("shape", sorted(REALISTIC))
 @pytest.mark.parametrize("quant", [QuantScheme("native", bits=4, group_size=128), QuantScheme("nvfp4")])
 def test_prefill_gemm1_finishing_the_activation_equals_the_separate_kernels(shape, quant, monkeypatch):
@@ -359,7 +361,9 @@ def test_prefill_gemm1_finishing_the_activation_equals_the_separate_kernels(shap
 @pytest.mark.parametrize("quant", [QuantScheme("gptq", group_size=128),
                                    QuantScheme("gptq", group_size=128, symmetric=False),
                                    QuantScheme("nvfp4", nvfp4_checkpoint="modelopt")], ids=["int4", "zeros", "nvfp4"])
-@pytest.mark.parametrize("tokens", [128, 256, 1024])
+@pytest.mark.parametrize("tokens", [pytest.param(128, marks=pytest.mark.long(75)),
+                                    pytest.param(256, marks=pytest.mark.long(100)),
+                                    pytest.param(1024, marks=pytest.mark.long(190))])
 def test_warp_specialised_layer_matches_the_reference(quant, tokens, monkeypatch):
     """At 32 slots an expert on Hopper the oracle takes the warp-specialised GEMM on blocks of
     64, at 64 on blocks of 128 (each block's part at the width its count needs), at 256 its
@@ -388,6 +392,7 @@ def test_warp_specialised_layer_matches_the_reference(quant, tokens, monkeypatch
     assert torch.allclose(out.float(), expected.float(), rtol=2e-2, atol=2e-2 * float(expected.abs().max()))
 
 
+@pytest.mark.long(65)
 def test_warp_specialised_expert_parallel_ranks_sum_to_the_layer(monkeypatch):
     """Two ranks of four experts each, 128 tokens (32 slots an expert): each rank's layer
     runs warp-specialised, recorded and replayed, and the ranks' outputs sum to the full
@@ -406,6 +411,7 @@ def test_warp_specialised_expert_parallel_ranks_sum_to_the_layer(monkeypatch):
     assert _error(total, expected) < 2e-2
 
 
+@pytest.mark.long(70)
 @pytest.mark.parametrize("quant", [QuantScheme("native", bits=4, group_size=128), QuantScheme("nvfp4")])
 def test_large_experts_run_warp_specialised_from_twelve_slots_an_expert(quant, monkeypatch):
     """Mixtral's experts (176 M weights) take the warp-specialised GEMM untuned from
